@@ -1,0 +1,17 @@
+"""The estimate: resolve the model, trace one step without memory, and read the peak off the trace."""
+
+from __future__ import annotations
+
+from analysis.peak import find_peak, timeline
+from analysis.report import MemoryReport, build_report
+from tracer.resolve import ResolvedModel, resolve_model
+from tracer.tracing import trace_step
+from tracer.training import TrainingSetup
+
+
+def analyze(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
+    """Predicted peak allocated GPU memory of one steady-state training step."""
+    model = resolve_model(model) if isinstance(model, str) else model
+    trace = trace_step(model, setup)
+    line = timeline(trace)
+    return build_report(model.model_id, setup, trace, line, find_peak(line))

@@ -1,0 +1,32 @@
+"""Storages that exist before the recorded step starts: parameters, buffers, optimizer state, inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from tracer.recorder import StepRecorder
+from tracer.roles import Role
+from tracer.step import Batch, TrainingStep
+
+GRAD_SCALER_STATE = ("_scale", "_growth_tracker")
+
+
+def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, step_counters_on_host: bool) -> None:
+    """Tell the recorder what lives before the step. ``step_counters_on_host`` keeps the optimizers'
+    0-dim ``step`` tensors off the device, as on CUDA without ``capturable``/``fused``."""
+    model, optimizer = step.model, step.optimizer
+    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    for name, param in model.named_parameters():
+        recorder.track_existing(param, Role.PARAMETER, name)
+    for name, buffer in model.named_buffers():
+        recorder.track_existing(buffer, Role.BUFFER, name)
+    if step.scaler is not None:
+        for name in GRAD_SCALER_STATE:
+            recorder.track_existing(getattr(step.scaler, name), Role.OPTIMIZER_STATE, f"GradScaler.{name}")
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                on_device = not (step_counters_on_host and key == "step")
+                recorder.track_existing(value, Role.OPTIMIZER_STATE, f"{names.get(id(param), '?')}.{key}", on_device)
+    recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
+    recorder.track_existing(batch.labels, Role.INPUT, "labels")

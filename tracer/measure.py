@@ -1,0 +1,125 @@
+"""The reference measurement: run the same step with real tensors and watch what it allocates.
+
+On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of the second (steady
+state) step. On CPU it counts every storage from its allocation to the moment its last reference dies, as
+``torch.distributed._tools.mem_tracker`` does, with each allocation rounded as the CUDA caching allocator
+rounds it, and reports the largest total seen at any moment.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from analysis.allocator import block_size
+from analysis.peak import find_peak, timeline
+from analysis.report import MemoryReport, build_report
+from analysis.units import format_bytes
+from tracer.analyze import analyze
+from tracer.baseline import register_baseline
+from tracer.errors import UserError
+from tracer.modules import ModuleScope
+from tracer.recorder import StepRecorder
+from tracer.resolve import ResolvedModel, resolve_model
+from tracer.roles import Phase
+from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
+from tracer.trace import Storage
+from tracer.training import Target, TrainingSetup
+
+# Keep this much memory free beyond the predicted peak before running a real step.
+HEADROOM_FRACTION = 0.10
+HEADROOM_BYTES = 1024**3
+
+
+class LiveBytesMeter:
+    """Running total of live device bytes, updated at every allocation and free, and its maximum."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def allocated(self, storage: Storage) -> None:
+        if storage.on_device:
+            self.live += block_size(storage.nbytes)
+            self.peak = max(self.peak, self.live)
+
+    def freed(self, storage: Storage) -> None:
+        if storage.on_device:
+            self.live -= block_size(storage.nbytes)
+
+
+def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
+    """Run two real training steps and report the memory of the second."""
+    cuda = setup.target is Target.CUDA
+    if cuda and not torch.cuda.is_available():
+        raise UserError("--target cuda needs a CUDA GPU on this machine; use --target cpu to measure on CPU.")
+    model = resolve_model(model) if isinstance(model, str) else model
+    _refuse_if_too_large(model, setup)
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(0)
+    with device:
+        net = build_model(model.config, setup)
+    optimizer = build_optimizer(net, setup, foreach=None)
+    batch = make_batch(model.config, setup, device)
+    autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
+    scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
+    step = TrainingStep(net, optimizer, scaler=scaler, **({"autocast": autocast} if autocast else {}))
+    step.run(batch)
+
+    meter = LiveBytesMeter()
+    recorder = StepRecorder(ModuleScope(net), device_type=device.type, listener=meter)
+    register_baseline(recorder, step, batch, step_counters_on_host=False)
+    params = [p for p in net.parameters() if p.requires_grad]
+
+    def on_phase(phase: Phase) -> None:
+        recorder.enter(phase, [p.grad for p in params if p.grad is not None] if phase is Phase.OPTIMIZER else ())
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with recorder.recording():
+        step.run(batch, on_phase=on_phase)
+    trace = recorder.trace()
+    trace.parameter_count = sum(p.numel() for p in net.parameters())
+    trace.trainable_parameter_count = sum(p.numel() for p in params)
+    trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
+    line = timeline(trace)
+    report = build_report(model.model_id, setup, trace, line, find_peak(line), kind="measurement")
+    report.extra["tracked_peak_bytes"] = meter.peak
+    if cuda:
+        torch.cuda.synchronize()
+        report.peak_bytes = torch.cuda.max_memory_allocated()
+        report.extra["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+    else:
+        report.peak_bytes = meter.peak
+    return report
+
+
+def _refuse_if_too_large(model: ResolvedModel, setup: TrainingSetup) -> None:
+    predicted = analyze(model, setup).peak_bytes
+    available = _available_bytes(setup.target)
+    needed = int(predicted * (1 + HEADROOM_FRACTION)) + HEADROOM_BYTES
+    if available is not None and needed > available:
+        raise UserError(
+            f"Measuring needs about {format_bytes(needed)} but only {format_bytes(available)} is free on "
+            f"this machine's {setup.target.value}. Use a smaller model, batch or sequence, or "
+            "`python -m tracer analyze` for the estimate alone."
+        )
+
+
+def _available_bytes(target: Target) -> int | None:
+    if target is Target.CUDA:
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

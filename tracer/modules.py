@@ -1,0 +1,60 @@
+"""Which module an op belongs to, in forward and in backward.
+
+Forward ops take the innermost module whose forward is running (global forward pre/post hooks). Backward
+ops take the module that created the autograd node now executing: each node's sequence number is recorded
+when the forward op that created it runs. Nothing here holds a tensor, so lifetimes stay as in eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+
+
+class ModuleScope:
+    def __init__(self, model: nn.Module) -> None:
+        self._names = {id(module): name for name, module in model.named_modules()}
+        self._param_owner = {
+            id(param): name.rpartition(".")[0] for name, param in model.named_parameters(remove_duplicate=False)
+        }
+        self._stack: list[str] = []
+        self._module_of_node: dict[int, str] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> ModuleScope:
+        self._handles = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._exit_module, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def current(self) -> str:
+        """The module path of the op being dispatched now ("" is the model itself)."""
+        if self._stack:
+            name = self._stack[-1]
+            # The autograd node of the op being dispatched (if any) was just created and took this number.
+            self._module_of_node.setdefault(torch._C._autograd._get_sequence_nr() - 1, name)
+            return name
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return ""
+        if node.name() == ACCUMULATE_GRAD:
+            return self._param_owner.get(id(node.variable), "")
+        return self._module_of_node.get(node._sequence_nr(), "")
+
+    def _enter_module(self, module: nn.Module, args: object) -> None:
+        name = self._names.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+
+    def _exit_module(self, module: nn.Module, args: object, output: object) -> None:
+        if id(module) in self._names and self._stack:
+            self._stack.pop()

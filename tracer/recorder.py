@@ -1,0 +1,133 @@
+"""A dispatch mode that records one training step as a :class:`~tracer.trace.Trace`.
+
+It sees every aten op below autograd (forward, the autograd engine's backward, the optimizer) and attaches
+a weak-reference finalizer to each storage, so a storage's death is recorded when its last reference goes,
+exactly as eager execution frees it. The same recorder runs on fake tensors (the estimate) and on real ones
+(the CPU measurement, as ``torch.distributed._tools.mem_tracker`` does).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tracer.modules import ModuleScope
+from tracer.roles import Phase, Role
+from tracer.trace import Op, Storage, Trace
+
+
+class StorageListener(Protocol):
+    """Told about each storage as it appears and as it dies, in event order."""
+
+    def allocated(self, storage: Storage) -> None: ...
+
+    def freed(self, storage: Storage) -> None: ...
+
+
+class StepRecorder(TorchDispatchMode):
+    def __init__(
+        self, scope: ModuleScope, device_type: str | None = None, listener: StorageListener | None = None
+    ) -> None:
+        """``device_type``: count only storages on that device; None counts every storage (the fake
+        trace, where a later pass decides what stays on the host)."""
+        super().__init__()
+        self.scope = scope
+        self.device_type = device_type
+        self.listener = listener
+        self.phase = Phase.FORWARD
+        self.ops: list[Op] = []
+        self.storages: dict[int, Storage] = {}
+        self._live: dict[int, int] = {}  # StorageImpl address -> storage id, for storages alive now
+        self._finalizers: dict[int, weakref.ref] = {}
+
+    def track_existing(self, tensor: torch.Tensor, role: Role, name: str, on_device: bool = True) -> None:
+        """Register a storage that exists before the step (parameters, optimizer states, inputs)."""
+        storage = self._storage_of(tensor, created_at=None)
+        if storage.created_at is None and not storage.name:
+            storage.role, storage.name = role, name
+            storage.on_device = storage.on_device and on_device
+
+    def enter(self, phase: Phase, gradients: Iterable[torch.Tensor] = ()) -> None:
+        """Mark a phase boundary. Storages made in forward and still alive now are saved activations."""
+        if self.phase is Phase.FORWARD and phase is not Phase.FORWARD:
+            for storage_id in self._live.values():
+                storage = self.storages[storage_id]
+                if storage.created_at is not None and storage.role is Role.TEMPORARY:
+                    storage.role = Role.ACTIVATION
+        for grad in gradients:
+            self._storage_of(grad, created_at=len(self.ops) - 1).role = Role.GRADIENT
+        self.phase = phase
+
+    @contextmanager
+    def recording(self) -> Iterator[StepRecorder]:
+        """Record the step. The garbage collector is paused so that lifetimes do not depend on its timing."""
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with self.scope, self:
+                yield self
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def trace(self) -> Trace:
+        return Trace(ops=self.ops, storages=self.storages)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        index = len(self.ops)
+        inputs = self._ids(tree_leaves((args, kwargs)), index)
+        outputs = self._ids(tree_leaves(out), index)
+        self.ops.append(Op(index, str(func), self.scope.current(), self.phase, inputs, outputs))
+        return out
+
+    def _ids(self, leaves: list, index: int) -> tuple[int, ...]:
+        ids: list[int] = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                storage_id = self._storage_of(leaf, created_at=index).id
+                if storage_id not in ids:
+                    ids.append(storage_id)
+        return tuple(ids)
+
+    def _storage_of(self, tensor: torch.Tensor, created_at: int | None) -> Storage:
+        untyped = tensor.untyped_storage()
+        address = untyped._cdata
+        storage_id = self._live.get(address)
+        if storage_id is not None:
+            return self.storages[storage_id]
+        storage_id = len(self.storages)
+        storage = Storage(
+            id=storage_id,
+            nbytes=untyped.nbytes(),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=tuple(tensor.shape),
+            role=Role.TEMPORARY,
+            created_at=created_at,
+            freed_after=None,
+            on_device=self.device_type is None or tensor.device.type == self.device_type,
+        )
+        self.storages[storage_id] = storage
+        self._live[address] = storage_id
+        self._finalizers[storage_id] = weakref.ref(untyped, self._freed(address, storage))
+        if self.listener is not None:
+            self.listener.allocated(storage)
+        return storage
+
+    def _freed(self, address: int, storage: Storage):
+        def callback(_: weakref.ref) -> None:
+            storage.freed_after = len(self.ops) - 1
+            if self._live.get(address) == storage.id:
+                del self._live[address]
+            self._finalizers.pop(storage.id, None)
+            if self.listener is not None:
+                self.listener.freed(storage)
+
+        return callback

@@ -1,0 +1,81 @@
+"""Configs of popular models shipped inside the package, so that no download is ever needed.
+
+Each file under ``configs/`` holds the architecture fields of the model's official ``config.json`` on the
+Hugging Face Hub (https://huggingface.co/<model id>/blob/main/config.json).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    model_id: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def filename(self) -> str:
+        return self.model_id.replace("/", "--") + ".json"
+
+    def load(self) -> dict[str, Any]:
+        text = resources.files("tracer").joinpath("configs").joinpath(self.filename).read_text()
+        return json.loads(text)
+
+
+BUNDLED_MODELS: tuple[BundledModel, ...] = (
+    BundledModel("meta-llama/Llama-2-7b-hf", ("meta-llama/Llama-2-7b-chat-hf",)),
+    BundledModel("meta-llama/Llama-2-13b-hf", ("meta-llama/Llama-2-13b-chat-hf",)),
+    BundledModel("meta-llama/Llama-2-70b-hf", ("meta-llama/Llama-2-70b-chat-hf",)),
+    BundledModel("meta-llama/Meta-Llama-3-8B", ("meta-llama/Llama-3-8B", "meta-llama/Meta-Llama-3-8B-Instruct")),
+    BundledModel("meta-llama/Meta-Llama-3-70B", ("meta-llama/Llama-3-70B", "meta-llama/Meta-Llama-3-70B-Instruct")),
+    BundledModel("meta-llama/Llama-3.1-8B", ("meta-llama/Meta-Llama-3.1-8B", "meta-llama/Llama-3.1-8B-Instruct")),
+    BundledModel("meta-llama/Llama-3.1-70B", ("meta-llama/Meta-Llama-3.1-70B", "meta-llama/Llama-3.1-70B-Instruct")),
+    BundledModel("meta-llama/Llama-3.1-405B", ("meta-llama/Meta-Llama-3.1-405B",)),
+    BundledModel("meta-llama/Llama-3.2-1B", ("meta-llama/Llama-3.2-1B-Instruct",)),
+    BundledModel("meta-llama/Llama-3.2-3B", ("meta-llama/Llama-3.2-3B-Instruct",)),
+    BundledModel("mistralai/Mistral-7B-v0.1"),
+    BundledModel("mistralai/Mixtral-8x7B-v0.1"),
+    BundledModel("Qwen/Qwen2.5-0.5B"),
+    BundledModel("Qwen/Qwen2.5-7B"),
+    BundledModel("Qwen/Qwen2.5-72B"),
+    BundledModel("google/gemma-2-2b"),
+    BundledModel("google/gemma-2-9b"),
+    BundledModel("microsoft/Phi-3-mini-4k-instruct", ("microsoft/Phi-3-mini",)),
+    BundledModel("facebook/opt-125m"),
+    BundledModel("facebook/opt-350m"),
+    BundledModel("facebook/opt-1.3b"),
+    BundledModel("facebook/opt-2.7b"),
+    BundledModel("facebook/opt-6.7b"),
+    BundledModel("bigscience/bloom-560m"),
+    BundledModel("bigscience/bloom-1b1"),
+    BundledModel("bigscience/bloom-1b7"),
+    BundledModel("bigscience/bloom-3b"),
+    BundledModel("Salesforce/codegen-350M-mono"),
+    BundledModel("Salesforce/codegen-2B-mono"),
+    BundledModel("openai-community/gpt2", ("gpt2",)),
+    BundledModel("openai-community/gpt2-medium", ("gpt2-medium",)),
+    BundledModel("openai-community/gpt2-large", ("gpt2-large",)),
+    BundledModel("openai-community/gpt2-xl", ("gpt2-xl",)),
+    BundledModel("EleutherAI/gpt-neo-1.3B"),
+    BundledModel("EleutherAI/pythia-160m"),
+    BundledModel("EleutherAI/pythia-410m"),
+    BundledModel("EleutherAI/pythia-1b"),
+    BundledModel("EleutherAI/pythia-1.4b"),
+    BundledModel("EleutherAI/pythia-2.8b"),
+    BundledModel("EleutherAI/pythia-6.9b"),
+    BundledModel("EleutherAI/pythia-12b"),
+    BundledModel("tiiuae/falcon-7b"),
+    BundledModel("bigcode/starcoder"),
+    BundledModel("bigcode/octocoder"),
+)
+
+_BY_NAME = {name.lower(): model for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
+
+
+def find_bundled(model_id: str) -> BundledModel | None:
+    """The bundled model for an id or alias (case-insensitive), or None."""
+    return _BY_NAME.get(model_id.lower())

@@ -1,0 +1,20 @@
+"""What a storage is for. One role per storage; the breakdown at the peak sums bytes by role."""
+
+from enum import Enum
+
+
+class Role(str, Enum):
+    PARAMETER = "parameters"
+    BUFFER = "buffers"
+    GRADIENT = "gradients"
+    OPTIMIZER_STATE = "optimizer_states"
+    INPUT = "inputs"
+    ACTIVATION = "activations"
+    TEMPORARY = "temporaries"
+    WORKSPACE = "workspaces"
+
+
+class Phase(str, Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"

@@ -1,0 +1,100 @@
+"""Build the model, optimizer and batch for a setup, and run the training step as a user's loop does.
+
+Shared by the estimate (under FakeTensorMode) and by the measurement (real tensors), so both run the same
+Python code and differ only in the tensors underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from tracer.errors import UserError
+from tracer.roles import Phase
+from tracer.training import TrainingSetup
+
+# Learning rates and betas do not change memory; torch's defaults are used for everything else.
+SGD_MOMENTUM = 0.9
+LEARNING_RATE = 1e-5
+
+
+def attention_implementation(config: PretrainedConfig, setup: TrainingSetup) -> str:
+    """The attention path transformers will run: "sdpa" unless asked for eager or the model has no SDPA path."""
+    if setup.attn == "eager":
+        return "eager"
+    model_class = _causal_lm_class(config)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
+    try:
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(config, setup), dtype=setup.param_dtype
+        )
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise UserError(f"transformers cannot build this model from its config: {error}") from None
+    return model.train()
+
+
+def build_optimizer(model: nn.Module, setup: TrainingSetup, foreach: bool | None) -> torch.optim.Optimizer:
+    """The optimizer over trainable parameters. ``foreach=None`` lets torch pick for the tensors' device."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=foreach)
+    if setup.optimizer == "adam":
+        return torch.optim.Adam(params, lr=LEARNING_RATE, foreach=foreach)
+    return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=SGD_MOMENTUM, foreach=foreach)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def make_batch(config: PretrainedConfig, setup: TrainingSetup, device: torch.device | str) -> Batch:
+    """Token ids and labels as a data collator hands them over: two separate int64 tensors."""
+    shape = (setup.batch_size, setup.seq_len)
+    input_ids = torch.randint(0, config.vocab_size, shape, device=device)
+    return Batch(input_ids=input_ids, labels=input_ids.clone())
+
+
+OnPhase = Callable[[Phase], None]
+
+
+@dataclass
+class TrainingStep:
+    """``loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step();
+    optimizer.zero_grad(set_to_none=True)``; with a gradient scaler for fp16 mixed precision."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    autocast: Callable[[], AbstractContextManager] = nullcontext
+    scaler: torch.amp.GradScaler | None = None
+
+    def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None) -> None:
+        on_phase(Phase.FORWARD)
+        with self.autocast():
+            loss = self.model(batch.input_ids, labels=batch.labels).loss
+        on_phase(Phase.BACKWARD)
+        if self.scaler is None:
+            loss.backward()
+            on_phase(Phase.OPTIMIZER)
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            on_phase(Phase.OPTIMIZER)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _causal_lm_class(config: PretrainedConfig) -> type:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

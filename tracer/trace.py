@@ -1,0 +1,49 @@
+"""The record of one training step: every aten op in execution order and every storage it touched.
+
+Storages, not tensors, are the unit of memory: views and in-place ops share one storage. Each storage
+knows the op that created it and the op after which its last reference died, as observed while the step
+ran, so Python-scope and autograd-engine lifetimes are exactly those of eager execution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tracer.roles import Phase, Role
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    target: str  # e.g. "aten.mm.default"
+    module: str  # module path, "" for the model itself
+    phase: Phase
+    inputs: tuple[int, ...]  # storage ids read
+    outputs: tuple[int, ...]  # storage ids written (new, or existing ones for in-place ops and views)
+
+
+@dataclass
+class Storage:
+    id: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    role: Role
+    created_at: int | None  # op index; None when it existed before the step
+    freed_after: int | None  # op index after which it died; None when it outlives the step
+    on_device: bool = True  # False for host tensors (e.g. optimizer step counters on CUDA)
+    name: str = ""  # parameter or state name for storages that existed before the step
+
+
+@dataclass
+class Trace:
+    ops: list[Op]
+    storages: dict[int, Storage]
+    assumptions: dict[str, Any] = field(default_factory=dict)
+    parameter_count: int = 0
+    trainable_parameter_count: int = 0
+
+    def phase_start(self, phase: Phase) -> int | None:
+        """Index of the first op of ``phase``, or None if the phase has no ops."""
+        return next((op.index for op in self.ops if op.phase is phase), None)

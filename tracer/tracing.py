@@ -1,0 +1,133 @@
+"""Trace one steady-state training step under FakeTensorMode: nothing is allocated, everything recorded."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
+
+import torch
+import transformers
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from analysis.allocator import MIN_BLOCK_SIZE
+from analysis.gpus import find_gpu
+from tracer.baseline import register_baseline
+from tracer.cuda import CudaEmulation
+from tracer.cuda.placement import mark_host_storages
+from tracer.errors import UserError
+from tracer.meta_fixes import MetaFixes
+from tracer.modules import ModuleScope
+from tracer.recorder import StepRecorder
+from tracer.resolve import ResolvedModel
+from tracer.roles import Phase, Role
+from tracer.step import TrainingStep, attention_implementation, build_model, build_optimizer, make_batch
+from tracer.trace import Trace
+from tracer.training import Target, TrainingSetup
+
+
+class TraceGradScaler(torch.amp.GradScaler):
+    """GradScaler whose step does not read ``found_inf`` back: fake tensors have no values, and reading
+    a flag does not allocate device memory. Everything else (scale, unscale, update) runs as is."""
+
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
+        return optimizer.step(*args, **kwargs)
+
+
+def trace_step(model: ResolvedModel, setup: TrainingSetup) -> Trace:
+    config = model.config
+    cuda = setup.target is Target.CUDA
+    emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
+    with FakeTensorMode(), MetaFixes(), emulation or nullcontext():
+        net = build_model(config, setup)
+        optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
+        batch = make_batch(config, setup, "cpu")
+        step = TrainingStep(
+            net,
+            optimizer,
+            autocast=_autocast(setup, emulation),
+            scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
+        )
+        with _op_errors():
+            step.run(batch)  # warm-up: optimizer states exist from now on
+        recorder = StepRecorder(ModuleScope(net), device_type=None if cuda else "cpu")
+        register_baseline(recorder, step, batch, step_counters_on_host=cuda)
+        workspace = None
+        if emulation is not None:
+            workspace = torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8)
+            recorder.track_existing(workspace, Role.WORKSPACE, "cuBLAS workspace")
+        params = [p for p in net.parameters() if p.requires_grad]
+
+        def on_phase(phase: Phase) -> None:
+            grads = [p.grad for p in params if p.grad is not None] if phase is Phase.OPTIMIZER else ()
+            recorder.enter(phase, grads)
+
+        with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
+            step.run(batch, on_phase=on_phase)
+        del workspace
+
+    trace = recorder.trace()
+    if cuda:
+        mark_host_storages(trace)
+    trace.parameter_count = sum(p.numel() for p in net.parameters())
+    trace.trainable_parameter_count = sum(p.numel() for p in params)
+    trace.assumptions = _assumptions(model, setup, optimizer, emulation)
+    return trace
+
+
+def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):
+    if emulation is not None:
+        return emulation.autocast
+    if setup.autocast_dtype is None:
+        return nullcontext
+    return partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
+
+
+class _op_errors(AbstractContextManager):
+    """Turn an op the fake tensors cannot run into one message that names it."""
+
+    def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, UnsupportedOperatorException):
+            raise UserError(f"The tracer cannot run op {exc.func}: it has no FakeTensor implementation.") from None
+        if isinstance(exc, DataDependentOutputException | DynamicOutputShapeException):
+            raise UserError(
+                f"The tracer cannot run op {exc.func}: its output size depends on tensor values, "
+                "which a trace without data does not have."
+            ) from None
+        return False
+
+
+def _assumptions(model: ResolvedModel, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
+    config = model.config
+    attention = attention_implementation(config, setup)
+    foreach = optimizer.defaults.get("foreach")
+    assumptions: dict[str, object] = {
+        "model_source": model.source,
+        "step": "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
+        "optimizer.zero_grad(set_to_none=True)"
+        + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else ""),
+        "state": "steady state: optimizer states exist before the step; gradients are freed at its end",
+        "attention_implementation": attention
+        + ("" if attention == setup.attn else f" ({type(config).__name__} has no SDPA path in transformers)"),
+        "optimizer_implementation": f"torch.optim.{type(optimizer).__name__}, foreach={foreach}"
+        + (f", momentum={optimizer.defaults.get('momentum')}" if setup.optimizer == "sgd" else ""),
+        "kv_cache_in_forward": bool(getattr(config, "use_cache", False)),
+        "allocation_rounding_bytes": MIN_BLOCK_SIZE,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if emulation is not None:
+        major, minor = emulation.gpu.compute_capability
+        assumptions["gpu_arch"] = f"{emulation.gpu.description} (sm{major}{minor})"
+        assumptions["cublas_workspace_bytes"] = emulation.cublas_workspace_bytes
+        if emulation.kernels.sdpa_backends:
+            assumptions["sdpa_backend"] = ", ".join(sorted(b.value for b in emulation.kernels.sdpa_backends))
+        if setup.mixed_precision:
+            assumptions["autocast"] = f"CUDA autocast policies, {setup.mixed_precision}"
+    elif setup.mixed_precision:
+        assumptions["autocast"] = f"CPU autocast policies, {setup.mixed_precision}"
+    return assumptions

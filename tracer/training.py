@@ -1,0 +1,75 @@
+"""What one training step looks like: every assumption the estimate depends on, in one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from tracer.errors import UserError
+
+
+class Target(str, Enum):
+    """The device whose behaviour the trace reproduces."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ("adamw", "adam", "sgd")
+ATTENTIONS = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """One steady-state fine-tuning step: ``loss = model(ids, labels=labels).loss; loss.backward();
+    optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
+
+    ``dtype`` is the dtype of the stored parameters. ``mixed_precision`` runs the forward under autocast
+    in that dtype with fp32 parameters, gradients and optimizer states (the usual Trainer recipe).
+    """
+
+    batch_size: int = 1
+    seq_len: int = 1024
+    dtype: str = "fp32"
+    mixed_precision: str | None = None
+    optimizer: str = "adamw"
+    attn: str = "sdpa"
+    target: Target = Target.CUDA
+    gpu: str = "h100"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise UserError(f"--batch-size must be at least 1 (got {self.batch_size}).")
+        if self.seq_len < 1:
+            raise UserError(f"--seq-len must be at least 1 (got {self.seq_len}).")
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r}).")
+        if self.mixed_precision is not None:
+            if self.mixed_precision not in ("bf16", "fp16"):
+                raise UserError(f"--mixed-precision must be bf16 or fp16 (got {self.mixed_precision!r}).")
+            if self.dtype != "fp32":
+                raise UserError(
+                    "--mixed-precision keeps fp32 master weights: use it with --dtype fp32 (the default), "
+                    f"not --dtype {self.dtype}."
+                )
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r}).")
+        if self.attn not in ATTENTIONS:
+            raise UserError(f"--attn must be one of {', '.join(ATTENTIONS)} (got {self.attn!r}).")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return DTYPES[self.mixed_precision] if self.mixed_precision else None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["target"] = self.target.value
+        return data
