@@ -1,12 +1,11 @@
-"""When each device storage is alive, in op indices, and how many bytes the allocator gives it."""
+"""When each device storage is alive, in op indices."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis.allocator import block_size
+from tracer.graph import StepGraph
 from tracer.roles import Role
-from tracer.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -18,20 +17,19 @@ class Lifetime:
     role: Role
 
 
-def lifetimes(trace: Trace) -> list[Lifetime]:
+def lifetimes(step: StepGraph) -> list[Lifetime]:
     """Lifetimes of the storages that occupy device memory during the step.
 
     A storage that existed before the step is live from op 0; one that outlives the step is live to the
     last op. Host storages and zero-byte storages occupy no device memory and are left out.
     """
-    last_op = len(trace.ops) - 1
+    last_op = len(step.ops) - 1
     result = []
-    for storage in trace.storages.values():
-        nbytes = block_size(storage.nbytes)
-        if not storage.on_device or nbytes == 0:
+    for row in step.storages.values():
+        if not row.on_device or row.bytes == 0:
             continue
-        first = 0 if storage.created_at is None else storage.created_at
-        last = last_op if storage.freed_after is None else storage.freed_after
+        first = 0 if row.producer is None else row.producer
+        last = last_op if row.freed_after is None else row.freed_after
         if last >= first:
-            result.append(Lifetime(storage.id, first, last, nbytes, storage.role))
+            result.append(Lifetime(row.id, first, last, row.bytes, row.role))
     return result

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from analysis.liveness import Lifetime, lifetimes
+from tracer.graph import StepGraph
 from tracer.roles import Role
-from tracer.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class Peak:
     breakdown: dict[Role, int]
 
 
-def timeline(trace: Trace, spans: list[Lifetime] | None = None) -> Timeline:
-    spans = lifetimes(trace) if spans is None else spans
+def timeline(step: StepGraph, spans: list[Lifetime] | None = None) -> Timeline:
+    spans = lifetimes(step) if spans is None else spans
     roles = tuple(Role)
     slot = {role: r for r, role in enumerate(roles)}
-    count = len(trace.ops)
+    count = len(step.ops)
     allocated = [[0] * len(roles) for _ in range(count)]
     released = [[0] * len(roles) for _ in range(count)]
     for span in spans:

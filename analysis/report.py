@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from tabulate import tabulate
 
+from analysis.liveness import lifetimes
 from analysis.peak import Peak, Timeline
 from analysis.units import format_bytes
+from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
 from tracer.trace import Trace
 from tracer.training import TrainingSetup
 
-TOP_STORAGES = 8
+TOP_GROUPS = 8
+_LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 @dataclass
@@ -56,12 +61,18 @@ class MemoryReport:
 
 
 def build_report(
-    model_id: str, setup: TrainingSetup, trace: Trace, line: Timeline, peak: Peak, kind: str = "estimate"
+    model_id: str,
+    setup: TrainingSetup,
+    trace: Trace,
+    step: StepGraph,
+    line: Timeline,
+    peak: Peak,
+    kind: str = "estimate",
 ) -> MemoryReport:
-    op = trace.ops[peak.index]
+    op = step.ops[peak.index]
     phase_peaks = {}
     for phase in Phase:
-        totals = [line.total(o.index) for o in trace.ops if o.phase is phase]
+        totals = [line.total(o.index) for o in step.ops if o.phase is phase]
         if totals:
             phase_peaks[phase.value] = max(totals)
     return MemoryReport(
@@ -73,37 +84,38 @@ def build_report(
         peak_module=op.module,
         peak_phase=op.phase.value,
         peak_op_index=peak.index,
-        op_count=len(trace.ops),
+        op_count=len(step.ops),
         breakdown={role.value: peak.breakdown.get(role, 0) for role in Role},
         phase_peaks=phase_peaks,
-        largest_at_peak=_largest_at(trace, peak.index),
+        largest_at_peak=live_groups(step, peak.index)[:TOP_GROUPS],
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count,
         kind=kind,
     )
 
 
-def _largest_at(trace: Trace, index: int) -> list[dict[str, Any]]:
-    from analysis.liveness import lifetimes
+def live_groups(step: StepGraph, index: int) -> list[dict[str, Any]]:
+    """Storages live at op ``index``, grouped by what made them, largest group first.
 
-    live = [span for span in lifetimes(trace) if span.first <= index <= span.last]
-    live.sort(key=lambda span: span.bytes, reverse=True)
-    rows = []
-    for span in live[:TOP_STORAGES]:
-        storage = trace.storages[span.storage_id]
-        made_by = trace.ops[storage.created_at] if storage.created_at is not None else None
-        rows.append(
-            {
-                "bytes": span.bytes,
-                "role": span.role.value,
-                "shape": list(storage.shape),
-                "dtype": storage.dtype,
-                "name": storage.name,
-                "op": made_by.target if made_by else "",
-                "module": made_by.module if made_by else "",
-            }
-        )
-    return rows
+    Storages made during the step group by role, producing op and module (layer numbers folded into
+    ``*``); those that existed before it group by role and the kind of tensor (``weight``, ``exp_avg``...).
+    """
+    groups: dict[tuple[str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for span in lifetimes(step):
+        if not span.first <= index <= span.last:
+            continue
+        row = step.storages[span.storage_id]
+        if row.producer is None:
+            key = (span.role.value, "(before the step)", row.name.rpartition(".")[2])
+        else:
+            key = (span.role.value, step.ops[row.producer].target, _LAYER_INDEX.sub(".*", row.module))
+        groups[key][0] += span.bytes
+        groups[key][1] += 1
+    rows = [
+        {"bytes": total, "count": count, "role": role, "made_by": made_by, "where": where}
+        for (role, made_by, where), (total, count) in groups.items()
+    ]
+    return sorted(rows, key=lambda row: row["bytes"], reverse=True)
 
 
 def render_text(report: MemoryReport) -> str:
@@ -127,20 +139,17 @@ def render_text(report: MemoryReport) -> str:
     ]
     lines.append(tabulate(rows, headers=["category", "memory", "share"], colalign=("left", "right", "right")))
     if report.largest_at_peak:
-        lines += ["", "Largest allocations live at the peak:"]
+        lines += ["", "What is live at the peak (largest groups):"]
         rows = [
-            (
-                format_bytes(row["bytes"]),
-                row["role"],
-                f"{row['dtype']}{row['shape']}",
-                row["name"] or f"{row['op']} in {row['module'] or '(top level)'}",
-            )
+            (format_bytes(row["bytes"]), row["count"], row["role"], row["made_by"], row["where"] or "(top level)")
             for row in report.largest_at_peak
         ]
-        lines.append(tabulate(rows, headers=["memory", "category", "tensor", "made by"]))
+        lines.append(tabulate(rows, headers=["memory", "tensors", "category", "made by", "where"], colalign=("right",)))
     lines += ["", "Assumptions:"]
     setup = report.to_json()["setup"]
-    lines.append(tabulate([(key, value) for key, value in setup.items()], tablefmt="plain"))
+    lines.append(
+        tabulate([(key, "none" if value is None else value) for key, value in setup.items()], tablefmt="plain")
+    )
     for key, value in report.extra.items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)

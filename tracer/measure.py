@@ -19,6 +19,7 @@ from analysis.units import format_bytes
 from tracer.analyze import analyze
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
+from tracer.graph import build_graph
 from tracer.modules import ModuleScope
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
@@ -30,6 +31,9 @@ from tracer.training import Target, TrainingSetup
 # Keep this much memory free beyond the predicted peak before running a real step.
 HEADROOM_FRACTION = 0.10
 HEADROOM_BYTES = 1024**3
+# fp16 steps whose gradients overflow are skipped by the GradScaler (it halves its scale instead);
+# the steady state, and the step measured, are ones where the optimizer really steps.
+MAX_SKIPPED_STEPS = 30
 
 
 class LiveBytesMeter:
@@ -49,11 +53,15 @@ class LiveBytesMeter:
             self.live -= block_size(storage.nbytes)
 
 
+def require_device(target: Target) -> None:
+    if target is Target.CUDA and not torch.cuda.is_available():
+        raise UserError("--target cuda needs a CUDA GPU on this machine; use --target cpu to measure on CPU.")
+
+
 def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     """Run two real training steps and report the memory of the second."""
+    require_device(setup.target)
     cuda = setup.target is Target.CUDA
-    if cuda and not torch.cuda.is_available():
-        raise UserError("--target cuda needs a CUDA GPU on this machine; use --target cpu to measure on CPU.")
     model = resolve_model(model) if isinstance(model, str) else model
     _refuse_if_too_large(model, setup)
     device = torch.device("cuda" if cuda else "cpu")
@@ -65,8 +73,32 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
     scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
     step = TrainingStep(net, optimizer, scaler=scaler, **({"autocast": autocast} if autocast else {}))
-    step.run(batch)
+    if not any(_stepped(lambda: step.run(batch), scaler) for _ in range(MAX_SKIPPED_STEPS)):
+        raise UserError(_SKIPPED_MESSAGE)
+    for _ in range(MAX_SKIPPED_STEPS):
+        report = _measure_step(model, setup, step, batch, device)
+        if report is not None:
+            return report
+    raise UserError(_SKIPPED_MESSAGE)
 
+
+_SKIPPED_MESSAGE = (
+    f"The fp16 GradScaler skipped {MAX_SKIPPED_STEPS} steps in a row (inf/NaN gradients from the random "
+    "weights), so no steady-state step could be measured. Measure with --mixed-precision bf16 instead."
+)
+
+
+def _stepped(run, scaler: torch.amp.GradScaler | None) -> bool:
+    """Run one step; False if the GradScaler skipped the optimizer (it lowers its scale when it does)."""
+    scale = scaler.get_scale() if scaler is not None else None
+    run()
+    return scaler is None or scaler.get_scale() >= scale
+
+
+def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device) -> MemoryReport | None:
+    """Measure one step; None if the GradScaler skipped its optimizer step (then it is not steady state)."""
+    cuda = device.type == "cuda"
+    net = step.model
     meter = LiveBytesMeter()
     recorder = StepRecorder(ModuleScope(net), device_type=device.type, listener=meter)
     register_baseline(recorder, step, batch, step_counters_on_host=False)
@@ -79,13 +111,16 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with recorder.recording():
-        step.run(batch, on_phase=on_phase)
+        stepped = _stepped(lambda: step.run(batch, on_phase=on_phase), step.scaler)
+    if not stepped:
+        return None
     trace = recorder.trace()
     trace.parameter_count = sum(p.numel() for p in net.parameters())
     trace.trainable_parameter_count = sum(p.numel() for p in params)
     trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
-    line = timeline(trace)
-    report = build_report(model.model_id, setup, trace, line, find_peak(line), kind="measurement")
+    step_graph = build_graph(trace)
+    line = timeline(step_graph)
+    report = build_report(model.model_id, setup, trace, step_graph, line, find_peak(line), kind="measurement")
     report.extra["tracked_peak_bytes"] = meter.peak
     if cuda:
         torch.cuda.synchronize()

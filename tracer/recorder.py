@@ -82,6 +82,8 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "prim":  # metadata queries (prim.device, ...) that fake tensors dispatch
+            return out
         index = len(self.ops)
         inputs = self._ids(tree_leaves((args, kwargs)), index)
         outputs = self._ids(tree_leaves(out), index)

@@ -93,6 +93,20 @@ class TrainingStep:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def prime(self) -> None:
+        """Reach the steady state without running the model: one optimizer step on zero gradients creates
+        the optimizer state (and the GradScaler's scale) exactly as a first real step would."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.scale(torch.zeros((), device=params[0].device))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
 
 def _causal_lm_class(config: PretrainedConfig) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
@@ -53,7 +54,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup) -> Trace:
             scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
         )
         with _op_errors():
-            step.run(batch)  # warm-up: optimizer states exist from now on
+            step.prime()
         recorder = StepRecorder(ModuleScope(net), device_type=None if cuda else "cpu")
         register_baseline(recorder, step, batch, step_counters_on_host=cuda)
         workspace = None
@@ -87,12 +88,20 @@ def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):
     return partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
 
 
+_NO_FAKE_KERNEL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
+
+
 class _op_errors(AbstractContextManager):
     """Turn an op the fake tensors cannot run into one message that names it."""
 
     def __exit__(self, exc_type, exc, tb):
-        if isinstance(exc, UnsupportedOperatorException):
-            raise UserError(f"The tracer cannot run op {exc.func}: it has no FakeTensor implementation.") from None
+        missing = _NO_FAKE_KERNEL.search(str(exc)) if isinstance(exc, RuntimeError) else None
+        if isinstance(exc, UnsupportedOperatorException) or missing:
+            op = exc.func if missing is None else missing["op"]
+            raise UserError(
+                f"The tracer cannot run op {op}: it has no FakeTensor (meta) implementation, so its memory "
+                "cannot be traced. Register one with torch.library.register_fake."
+            ) from None
         if isinstance(exc, DataDependentOutputException | DynamicOutputShapeException):
             raise UserError(
                 f"The tracer cannot run op {exc.func}: its output size depends on tensor values, "

@@ -46,19 +46,19 @@ def select_sdpa_backend(
     """The first of flash, efficient, math whose constraints hold, as ``select_sdp_backend`` checks them."""
     if _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, gpu):
         return SdpaBackend.FLASH
-    if _can_use_efficient(query, key, value, enable_gqa, gpu):
+    if _can_use_efficient(query, key, value, gpu):
         return SdpaBackend.EFFICIENT
     return SdpaBackend.MATH
 
 
-def _heads_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, enable_gqa: bool) -> bool:
-    """``check_batch_size_and_num_heads_dense``: equal heads, or grouped heads when ``enable_gqa``."""
+def _heads_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, grouped: bool) -> bool:
+    """``check_batch_size_and_num_heads_dense``: equal heads, or grouped heads when ``grouped``."""
     q_heads, k_heads, v_heads = query.size(1), key.size(1), value.size(1)
     if query.size(0) != key.size(0) or query.size(0) != value.size(0):
         return False
     if q_heads == k_heads == v_heads:
         return True
-    return enable_gqa and k_heads == v_heads and q_heads % k_heads == 0
+    return grouped and k_heads == v_heads and q_heads % k_heads == 0
 
 
 def _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa, gpu: Gpu) -> bool:
@@ -80,10 +80,10 @@ def _can_use_flash(query, key, value, attn_mask, dropout_p, is_causal, enable_gq
         return False
     if query.size(-2) == 0 or key.size(-2) == 0:
         return False
-    return _heads_ok(query, key, value, enable_gqa)
+    return _heads_ok(query, key, value, grouped=enable_gqa)
 
 
-def _can_use_efficient(query, key, value, enable_gqa, gpu: Gpu) -> bool:
+def _can_use_efficient(query, key, value, gpu: Gpu) -> bool:
     cc = gpu.compute_capability
     if not ((5, 0) <= cc <= (12, 1)) or not (query.dim() == key.dim() == value.dim() == 4):
         return False
@@ -99,7 +99,9 @@ def _can_use_efficient(query, key, value, enable_gqa, gpu: Gpu) -> bool:
         return False
     if any(t.stride(-1) != 1 for t in (query, key, value)):
         return False
-    if not _heads_ok(query, key, value, enable_gqa):
+    # Memory-efficient attention has no grouped-query path in torch 2.11-2.13 (its backward returns
+    # gradients for every query head); grouped K/V send SDPA to the math kernel (pytorch#191085 adds one).
+    if not _heads_ok(query, key, value, grouped=False):
         return False
     allowed = (torch.float16, torch.float32, torch.bfloat16) if cc >= (8, 0) else (torch.float16, torch.float32)
     return query.dtype in allowed

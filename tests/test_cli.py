@@ -1,0 +1,168 @@
+"""The command line: output shape, and one clear message with exit status 2 for each bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import TINY_CONFIGS, tiny_model
+
+from tracer.cli import EXIT_USER_ERROR, main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _config_file(tmp_path, family="llama", **overrides):
+    path = tmp_path / "config.json"
+    path.write_text(tiny_model(family, **overrides).config.to_json_string())
+    return path
+
+
+def test_analyze_json_has_the_stable_keys(tmp_path, capsys):
+    code, out, _ = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "32", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert isinstance(report["peak_bytes"], int) and report["peak_bytes"] > 0
+    assert report["peak_phase"] in ("forward", "backward", "optimizer")
+    assert report["peak_op"].startswith("aten.")
+    assert "peak_module" in report
+    assert sum(report["breakdown"].values()) == report["peak_bytes"]
+    setup = report["setup"]
+    for key in (
+        "batch_size",
+        "seq_len",
+        "dtype",
+        "mixed_precision",
+        "optimizer",
+        "attn",
+        "target",
+        "gpu",
+        "allocation_rounding_bytes",
+        "cublas_workspace_bytes",
+        "step",
+    ):
+        assert key in setup
+
+
+def test_analyze_text_report(tmp_path, capsys):
+    code, out, err = _run(
+        capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "32", "--mixed-precision", "bf16"
+    )
+    assert code == 0
+    assert "Estimated peak allocated memory" in out and "Breakdown at the peak" in out
+    assert "Tracing one training step" in err
+
+
+def test_a_config_directory_works(tmp_path, capsys):
+    _config_file(tmp_path)
+    code, out, _ = _run(capsys, "analyze", str(tmp_path), "--seq-len", "16", "--json", "--target", "cpu")
+    assert code == 0 and json.loads(out)["setup"]["target"] == "cpu"
+
+
+def _assert_user_error(code: int, err: str, *fragments: str) -> None:
+    """Exit status 2, no traceback, and one error message as the last thing written (after progress, if any)."""
+    assert code == EXIT_USER_ERROR
+    assert "Traceback" not in err
+    message = err[err.index("error: ") :]
+    assert err.count("error: ") == 1
+    for fragment in fragments:
+        assert fragment in message, err
+
+
+def test_unknown_model(capsys):
+    code, _, err = _run(capsys, "analyze", "acme/no-such-model")
+    _assert_user_error(code, err, "Unknown model 'acme/no-such-model'", "config.json", "python -m tracer models")
+
+
+def test_malformed_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "llama", "hidden_size": 64,')
+    code, _, err = _run(capsys, "analyze", str(path))
+    _assert_user_error(code, err, "is not valid JSON")
+
+
+def test_incomplete_config(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 4}))
+    code, _, err = _run(capsys, "analyze", str(path))
+    _assert_user_error(code, err, "incomplete", "n_layer", "vocab_size")
+
+
+def test_config_without_model_type(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 64}))
+    code, _, err = _run(capsys, "analyze", str(path))
+    _assert_user_error(code, err, '"model_type"')
+
+
+def test_missing_config_file(capsys):
+    code, _, err = _run(capsys, "analyze", "no/such/config.json")
+    _assert_user_error(code, err, "does not exist")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch-size", "0", "--batch-size must be at least 1"),
+        ("--seq-len", "0", "--seq-len must be at least 1"),
+        ("--gpu", "tpu-v9", "Unknown GPU 'tpu-v9'"),
+    ],
+)
+def test_bad_numbers_and_names(tmp_path, capsys, flag, value, message):
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), flag, value)
+    _assert_user_error(code, err, message)
+
+
+def test_mixed_precision_needs_fp32_weights(tmp_path, capsys):
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--dtype", "bf16", "--mixed-precision", "bf16")
+    _assert_user_error(code, err, "--mixed-precision keeps fp32 master weights")
+
+
+def test_sequence_beyond_the_model_maximum_warns(tmp_path, capsys):
+    code, out, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "300", "--json")
+    assert code == 0 and json.loads(out)["peak_bytes"] > 0
+    assert "warning: --seq-len 300 exceeds" in err and "max_position_embeddings (256)" in err
+
+
+@torch.library.custom_op("memtest::opaque", mutates_args=())
+def _opaque(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def test_an_op_without_a_fake_kernel_is_named(tmp_path, capsys, monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    original = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: original(self, _opaque(x)))
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "16")
+    _assert_user_error(code, err, "memtest::opaque", "no FakeTensor")
+
+
+def test_measure_on_cuda_without_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = _run(capsys, "measure", str(_config_file(tmp_path)), "--seq-len", "16")
+    _assert_user_error(code, err, "--target cuda needs a CUDA GPU", "--target cpu")
+
+
+def test_measure_on_cpu(tmp_path, capsys):
+    code, out, _ = _run(capsys, "measure", str(_config_file(tmp_path)), "--seq-len", "16", "--target", "cpu", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["kind"] == "measurement" and report["peak_bytes"] == report["tracked_peak_bytes"]
+
+
+def test_models_lists_the_registry(capsys):
+    code, out, _ = _run(capsys, "models", "--json")
+    models = [row["model"] for row in json.loads(out)]
+    assert code == 0 and len(models) >= 25 and "meta-llama/Llama-2-7b-hf" in models
+
+
+def test_every_tiny_family_is_a_registry_family():
+    from tracer.registry import BUNDLED_MODELS
+
+    assert {model.load()["model_type"] for model in BUNDLED_MODELS} == set(TINY_CONFIGS)

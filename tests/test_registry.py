@@ -1,0 +1,89 @@
+"""The bundled configs: every model the README promises, each building the published model size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tracer.registry import BUNDLED_MODELS, find_bundled
+from tracer.resolve import resolve_model
+from tracer.step import build_model
+from tracer.training import TrainingSetup
+
+# Total parameters as published on the model cards (Hugging Face "Model size", or the paper's table where
+# cited). A config with a wrong field builds a model whose size misses these by far more than 0.5%.
+PUBLISHED_PARAMETERS = {
+    "meta-llama/Llama-2-7b-hf": 6.74e9,
+    "meta-llama/Llama-2-13b-hf": 13.0e9,
+    "meta-llama/Llama-2-70b-hf": 69.0e9,
+    "meta-llama/Meta-Llama-3-8B": 8.03e9,
+    "meta-llama/Meta-Llama-3-70B": 70.6e9,
+    "meta-llama/Llama-3.1-8B": 8.03e9,
+    "meta-llama/Llama-3.1-70B": 70.6e9,
+    "meta-llama/Llama-3.1-405B": 406e9,
+    "meta-llama/Llama-3.2-1B": 1.24e9,
+    "meta-llama/Llama-3.2-3B": 3.21e9,
+    "mistralai/Mistral-7B-v0.1": 7.24e9,
+    "mistralai/Mixtral-8x7B-v0.1": 46.7e9,
+    "Qwen/Qwen2.5-0.5B": 0.494e9,
+    "Qwen/Qwen2.5-7B": 7.62e9,
+    "Qwen/Qwen2.5-72B": 72.7e9,
+    "google/gemma-2-2b": 2.61e9,
+    "google/gemma-2-9b": 9.24e9,
+    "microsoft/Phi-3-mini-4k-instruct": 3.82e9,
+    "facebook/opt-125m": 125e6,
+    "facebook/opt-350m": 331e6,
+    "facebook/opt-1.3b": 1.32e9,
+    "facebook/opt-2.7b": 2.65e9,
+    "facebook/opt-6.7b": 6.66e9,
+    "bigscience/bloom-560m": 559e6,
+    "bigscience/bloom-1b1": 1.07e9,
+    "bigscience/bloom-1b7": 1.72e9,
+    "bigscience/bloom-3b": 3.0e9,
+    "openai-community/gpt2": 124e6,
+    "openai-community/gpt2-medium": 355e6,
+    "openai-community/gpt2-large": 774e6,
+    "openai-community/gpt2-xl": 1.56e9,
+    "EleutherAI/pythia-160m": 162_322_944,  # Pythia paper (arXiv 2304.01373), Table 1
+    "EleutherAI/pythia-410m": 405_334_016,
+    "EleutherAI/pythia-1b": 1_011_781_632,
+    "EleutherAI/pythia-1.4b": 1_414_647_808,
+    "EleutherAI/pythia-2.8b": 2_775_208_960,
+    "EleutherAI/pythia-6.9b": 6_857_302_016,
+    "EleutherAI/pythia-12b": 11_846_072_320,
+    "tiiuae/falcon-7b": 6.92e9,
+    "bigcode/starcoder": 15.5e9,
+    "bigcode/octocoder": 15.5e9,
+}
+
+REQUIRED = [
+    *PUBLISHED_PARAMETERS,
+    "Salesforce/codegen-350M-mono",
+    "Salesforce/codegen-2B-mono",
+    "EleutherAI/gpt-neo-1.3B",
+    "gpt2",
+]
+
+
+@pytest.mark.parametrize("model_id", REQUIRED)
+def test_required_models_are_bundled(model_id):
+    assert find_bundled(model_id) is not None
+
+
+def test_lookup_ignores_case():
+    assert find_bundled("META-LLAMA/llama-2-7B-HF").model_id == "meta-llama/Llama-2-7b-hf"
+
+
+@pytest.mark.parametrize("model_id", list(PUBLISHED_PARAMETERS))
+def test_bundled_config_builds_the_published_size(model_id):
+    config = resolve_model(model_id).config
+    with torch.device("meta"):
+        model = build_model(config, TrainingSetup())
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - PUBLISHED_PARAMETERS[model_id]) / PUBLISHED_PARAMETERS[model_id] < 0.005, count
+
+
+def test_every_bundled_config_builds():
+    for bundled in BUNDLED_MODELS:
+        with torch.device("meta"):
+            build_model(resolve_model(bundled.model_id).config, TrainingSetup())

@@ -1,0 +1,124 @@
+"""Tiny configs, made in code, for every architecture family of the bundled registry."""
+
+from __future__ import annotations
+
+from transformers import AutoConfig
+
+from tracer.resolve import ResolvedModel
+
+HIDDEN = 64
+VOCAB = 256
+POSITIONS = 256
+IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        model_type="llama",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+    ),
+    "mistral": dict(
+        model_type="mistral",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+        sliding_window=16,
+    ),
+    "mixtral": dict(
+        model_type="mixtral",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+    ),
+    "gemma2": dict(
+        model_type="gemma2",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=POSITIONS,
+        sliding_window=16,
+    ),
+    "phi3": dict(
+        model_type="phi3",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=POSITIONS,
+    ),
+    "opt": dict(
+        model_type="opt",
+        hidden_size=HIDDEN,
+        ffn_dim=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=POSITIONS,
+        word_embed_proj_dim=HIDDEN,
+    ),
+    "bloom": dict(model_type="bloom", hidden_size=HIDDEN, n_layer=2, n_head=4),
+    "codegen": dict(model_type="codegen", n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=POSITIONS, rotary_dim=8),
+    "gpt2": dict(model_type="gpt2", n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=POSITIONS),
+    "gpt_neo": dict(
+        model_type="gpt_neo",
+        hidden_size=HIDDEN,
+        num_layers=2,
+        num_heads=4,
+        max_position_embeddings=POSITIONS,
+        attention_types=[[["global", "local"], 1]],
+        window_size=8,
+    ),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=POSITIONS,
+        rotary_pct=0.25,
+    ),
+    "falcon": dict(
+        model_type="falcon",
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        multi_query=True,
+        parallel_attn=True,
+        bias=False,
+    ),
+    "gpt_bigcode": dict(
+        model_type="gpt_bigcode", n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=POSITIONS, multi_query=True
+    ),
+}
+
+# MoE experts run through torch._grouped_mm, which these tests exercise in every dtype.
+FAMILIES = tuple(TINY_CONFIGS)
+
+
+def tiny_model(family: str, **overrides) -> ResolvedModel:
+    fields = {**IDS, "vocab_size": VOCAB, **TINY_CONFIGS[family], **overrides}
+    return ResolvedModel(f"tiny-{family}", AutoConfig.for_model(**fields), "made in tests")

@@ -1,0 +1,192 @@
+"""``python -m tracer``: a thin command line over :func:`tracer.analyze.analyze` and friends."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+
+from tracer.errors import UserError
+from tracer.training import ATTENTIONS, DTYPES, OPTIMIZERS, Target, TrainingSetup
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    try:
+        return args.run(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tracer",
+        description="Predict the peak GPU memory of fine-tuning a Hugging Face decoder LLM, by tracing one "
+        "training step on fake tensors (nothing is allocated, nothing is downloaded).",
+    )
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    analyze = commands.add_parser(
+        "analyze",
+        help="estimate the peak memory of one training step",
+        description="Estimate torch.cuda.max_memory_allocated of one steady-state training step: "
+        "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
+        "optimizer.zero_grad(set_to_none=True).",
+    )
+    _add_step_arguments(analyze)
+    analyze.set_defaults(run=_run_analyze)
+
+    measure = commands.add_parser(
+        "measure",
+        help="run the same step with real tensors and measure it",
+        description="Run two real training steps (random weights) and report the memory of the second: "
+        "torch.cuda.max_memory_allocated with --target cuda, tracked storage bytes with --target cpu.",
+    )
+    _add_step_arguments(measure)
+    measure.set_defaults(run=_run_measure)
+
+    models = commands.add_parser("models", help="list the bundled model configs")
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.set_defaults(run=_run_models)
+    return parser
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = TrainingSetup()
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a Hugging Face model id (bundled, cached or on the Hub), a config.json path, or a directory "
+        "holding config.json",
+    )
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default 1)")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (default 1024)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=defaults.dtype, help="dtype of the stored parameters (default fp32)"
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="run the forward under autocast in this dtype, with fp32 weights, gradients and optimizer states "
+        "(fp16 adds a GradScaler); default: off",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=defaults.optimizer,
+        help="torch.optim.AdamW (default), Adam, or SGD with momentum 0.9",
+    )
+    parser.add_argument(
+        "--attn",
+        choices=ATTENTIONS,
+        default=defaults.attn,
+        help="attention implementation; sdpa (default) falls back to eager for models without an SDPA path",
+    )
+    parser.add_argument(
+        "--target",
+        choices=[t.value for t in Target],
+        default=defaults.target.value,
+        help="reproduce what a CUDA GPU runs (default) or what the CPU runs (for comparing with measure on CPU)",
+    )
+    parser.add_argument(
+        "--gpu",
+        default=defaults.gpu,
+        help="GPU whose kernels and library workspaces are assumed with --target cuda (default h100)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+
+
+def _setup(args: argparse.Namespace) -> TrainingSetup:
+    return TrainingSetup(
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        dtype=args.dtype,
+        mixed_precision=args.mixed_precision,
+        optimizer=args.optimizer,
+        attn=args.attn,
+        target=Target(args.target),
+        gpu=args.gpu,
+    )
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    from analysis.gpus import find_gpu
+    from analysis.report import render_text
+    from tracer.analyze import analyze
+    from tracer.resolve import resolve_model
+
+    setup = _setup(args)
+    find_gpu(setup.gpu)
+    model = resolve_model(args.model)
+    _warn_about_length(model, setup)
+    _progress(args, f"Tracing one training step of {model.model_id} on fake tensors ...")
+    report = analyze(model, setup)
+    print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
+    return 0
+
+
+def _run_measure(args: argparse.Namespace) -> int:
+    from analysis.report import render_text
+    from tracer.measure import measure, require_device
+    from tracer.resolve import resolve_model
+
+    setup = _setup(args)
+    require_device(setup.target)
+    model = resolve_model(args.model)
+    _warn_about_length(model, setup)
+    _progress(args, f"Running two real training steps of {model.model_id} on {setup.target.value} ...")
+    report = measure(model, setup)
+    print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
+    return 0
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from tracer.registry import BUNDLED_MODELS
+
+    rows = []
+    for model in BUNDLED_MODELS:
+        config = model.load()
+        rows.append({"model": model.model_id, "model_type": config["model_type"], "aliases": list(model.aliases)})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(
+            tabulate(
+                [(r["model"], r["model_type"], ", ".join(r["aliases"])) for r in rows],
+                headers=["model", "type", "aliases"],
+            )
+        )
+    return 0
+
+
+def _warn_about_length(model, setup: TrainingSetup) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and setup.seq_len > limit:
+        print(
+            f"warning: --seq-len {setup.seq_len} exceeds {model.model_id}'s max_position_embeddings ({limit}); "
+            "the estimate still runs, but the model was not trained for it.",
+            file=sys.stderr,
+        )
+
+
+def _progress(args: argparse.Namespace, message: str) -> None:
+    if not (args.quiet or args.json):
+        print(message, file=sys.stderr, flush=True)
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module="transformers")

@@ -1,0 +1,69 @@
+"""The recorded step as a graph: ops in execution order joined by the storages they pass, plus the
+storage table the memory passes read (bytes as the allocator rounds them, role, producer, users, module)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import networkx as nx
+
+from analysis.allocator import block_size
+from tracer.roles import Role
+from tracer.trace import Op, Trace
+
+
+@dataclass(frozen=True)
+class StorageRow:
+    id: int
+    bytes: int  # what the CUDA caching allocator hands out for it
+    nbytes: int  # what the tensors in it need
+    dtype: str
+    shape: tuple[int, ...]
+    role: Role
+    producer: int | None  # op index that allocated it; None if it existed before the step
+    freed_after: int | None  # op index after which it died; None if it outlives the step
+    users: tuple[int, ...]  # op indices that read it
+    module: str  # module of the producer
+    on_device: bool
+    name: str
+
+
+@dataclass
+class StepGraph:
+    ops: list[Op]
+    graph: nx.DiGraph  # node = op index; edge producer -> consumer, with the storage ids passed
+    storages: dict[int, StorageRow]
+
+
+def build_graph(trace: Trace) -> StepGraph:
+    graph = nx.DiGraph()
+    users: dict[int, list[int]] = defaultdict(list)
+    for op in trace.ops:
+        graph.add_node(op.index, target=op.target, module=op.module, phase=op.phase.value)
+        for storage_id in op.inputs:
+            users[storage_id].append(op.index)
+            producer = trace.storages[storage_id].created_at
+            if producer is not None and producer != op.index:
+                if graph.has_edge(producer, op.index):
+                    graph.edges[producer, op.index]["storages"].append(storage_id)
+                else:
+                    graph.add_edge(producer, op.index, storages=[storage_id])
+    rows = {}
+    for storage in trace.storages.values():
+        producer = storage.created_at
+        rows[storage.id] = StorageRow(
+            id=storage.id,
+            bytes=block_size(storage.nbytes),
+            nbytes=storage.nbytes,
+            dtype=storage.dtype,
+            shape=storage.shape,
+            role=storage.role,
+            producer=producer,
+            freed_after=storage.freed_after,
+            users=tuple(users.get(storage.id, ())),
+            module=trace.ops[producer].module if producer is not None else "",
+            on_device=storage.on_device,
+            name=storage.name,
+        )
+    return StepGraph(ops=trace.ops, graph=graph, storages=rows)
