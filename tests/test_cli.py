@@ -166,3 +166,9 @@ def test_every_tiny_family_is_a_registry_family():
     from tracer.registry import BUNDLED_MODELS
 
     assert {model.load()["model_type"] for model in BUNDLED_MODELS} == set(TINY_CONFIGS)
+
+
+def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("tracer.measure._available_bytes", lambda target: 1024**2)
+    code, _, err = _run(capsys, "measure", str(_config_file(tmp_path)), "--seq-len", "16", "--target", "cpu")
+    _assert_user_error(code, err, "Measuring needs about", "only 1.000 MiB is free", "python -m tracer analyze")

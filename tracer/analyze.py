@@ -6,14 +6,14 @@ from analysis.peak import find_peak, timeline
 from analysis.report import MemoryReport, build_report
 from tracer.graph import build_graph
 from tracer.resolve import ResolvedModel, resolve_model
-from tracer.tracing import trace_step
+from tracer.tracing import Progress, trace_step
 from tracer.training import TrainingSetup
 
 
-def analyze(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
+def analyze(model: str | ResolvedModel, setup: TrainingSetup, progress: Progress | None = None) -> MemoryReport:
     """Predicted peak allocated GPU memory of one steady-state training step."""
     model = resolve_model(model) if isinstance(model, str) else model
-    trace = trace_step(model, setup)
+    trace = trace_step(model, setup, progress)
     step_graph = build_graph(trace)
     line = timeline(step_graph)
     return build_report(model.model_id, setup, trace, step_graph, line, find_peak(line))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 
@@ -128,8 +129,16 @@ def _run_analyze(args: argparse.Namespace) -> int:
     find_gpu(setup.gpu)
     model = resolve_model(args.model)
     _warn_about_length(model, setup)
-    _progress(args, f"Tracing one training step of {model.model_id} on fake tensors ...")
-    report = analyze(model, setup)
+    start = time.perf_counter()
+    stages: list[str] = []
+
+    def on_stage(stage: str) -> None:
+        _progress(args, (", " if stages else " ") + stage, end="")
+        stages.append(stage)
+
+    _progress(args, f"Tracing one training step of {model.model_id} on fake tensors:", end="")
+    report = analyze(model, setup, progress=on_stage)
+    _progress(args, f"; done in {time.perf_counter() - start:.1f} s.")
     print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
     return 0
 
@@ -180,9 +189,9 @@ def _warn_about_length(model, setup: TrainingSetup) -> None:
         )
 
 
-def _progress(args: argparse.Namespace, message: str) -> None:
+def _progress(args: argparse.Namespace, message: str, end: str = "\n") -> None:
     if not (args.quiet or args.json):
-        print(message, file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, end=end, flush=True)
 
 
 def _quiet_libraries() -> None:

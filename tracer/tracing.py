@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
@@ -39,11 +40,17 @@ class TraceGradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
 
-def trace_step(model: ResolvedModel, setup: TrainingSetup) -> Trace:
+Progress = Callable[[str], None]
+
+
+def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None) -> Trace:
+    """Record one steady-state training step. ``progress`` is told each stage as it starts."""
+    report = progress or (lambda stage: None)
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     with FakeTensorMode(), MetaFixes(), emulation or nullcontext():
+        report("building the model")
         net = build_model(config, setup)
         optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
         batch = make_batch(config, setup, "cpu")
@@ -64,6 +71,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup) -> Trace:
         params = [p for p in net.parameters() if p.requires_grad]
 
         def on_phase(phase: Phase) -> None:
+            report(phase.value)
             grads = [p.grad for p in params if p.grad is not None] if phase is Phase.OPTIMIZER else ()
             recorder.enter(phase, grads)
 
