@@ -50,19 +50,21 @@ def test_a_storage_dies_when_its_last_reference_goes(fake):
 def test_activations_are_what_forward_leaves_alive_for_backward():
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     recorder = StepRecorder(ModuleScope(model), device_type="cpu")
+    for name, param in model.named_parameters():
+        recorder.track_existing(param, Role.PARAMETER, name)
     x = torch.randn(4, 8)
     with recorder.recording():
         loss = model(x).sum()
         recorder.enter(Phase.BACKWARD)
         loss.backward()
-        recorder.enter(Phase.OPTIMIZER, [p.grad for p in model.parameters()])
+        recorder.enter(Phase.OPTIMIZER)
     trace = recorder.trace()
     tanh_out = next(trace.storages[op.outputs[0]] for op in trace.ops if op.target == "aten.tanh.default")
     assert tanh_out.role is Role.ACTIVATION  # tanh saves its output
     roles = {trace.storages[s].role for op in trace.ops for s in op.outputs if op.target == "aten.sum.default"}
     assert roles == {Role.ACTIVATION}  # the loss is still referenced when backward starts
-    grads = [s for s in trace.storages.values() if s.role is Role.GRADIENT]
-    assert sorted(s.nbytes for s in grads) == [32, 256]
+    grads = {s.param: s.nbytes for s in trace.storages.values() if s.role is Role.GRADIENT}
+    assert grads == {"0.weight": 256, "0.bias": 32}
 
 
 def test_ops_are_attributed_to_modules_in_forward_and_backward():

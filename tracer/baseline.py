@@ -15,7 +15,7 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
     """Tell the recorder what lives before the step. ``step_counters_on_host`` keeps the optimizers'
     0-dim ``step`` tensors off the device, as on CUDA without ``capturable``/``fused``."""
     model, optimizer = step.model, step.optimizer
-    names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): name for name, p in model.named_parameters()}
     for name, param in model.named_parameters():
         recorder.track_existing(param, Role.PARAMETER, name)
     for name, buffer in model.named_buffers():
@@ -24,9 +24,12 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
         for name in GRAD_SCALER_STATE:
             recorder.track_existing(getattr(step.scaler, name), Role.OPTIMIZER_STATE, f"GradScaler.{name}")
     for param, state in optimizer.state.items():
+        param_name = names[id(param)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 on_device = not (step_counters_on_host and key == "step")
-                recorder.track_existing(value, Role.OPTIMIZER_STATE, f"{names.get(id(param), '?')}.{key}", on_device)
+                recorder.track_existing(
+                    value, Role.OPTIMIZER_STATE, f"{param_name}.{key}", param=param_name, on_device=on_device
+                )
     recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
     recorder.track_existing(batch.labels, Role.INPUT, "labels")

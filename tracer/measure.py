@@ -23,7 +23,6 @@ from tracer.graph import build_graph
 from tracer.modules import ModuleScope
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
-from tracer.roles import Phase
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
 from tracer.trace import Storage
 from tracer.training import Target, TrainingSetup
@@ -102,21 +101,17 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     meter = LiveBytesMeter()
     recorder = StepRecorder(ModuleScope(net), device_type=device.type, listener=meter)
     register_baseline(recorder, step, batch, step_counters_on_host=False)
-    params = [p for p in net.parameters() if p.requires_grad]
-
-    def on_phase(phase: Phase) -> None:
-        recorder.enter(phase, [p.grad for p in params if p.grad is not None] if phase is Phase.OPTIMIZER else ())
 
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with recorder.recording():
-        stepped = _stepped(lambda: step.run(batch, on_phase=on_phase), step.scaler)
+        stepped = _stepped(lambda: step.run(batch, on_phase=recorder.enter), step.scaler)
     if not stepped:
         return None
     trace = recorder.trace()
     trace.parameter_count = sum(p.numel() for p in net.parameters())
-    trace.trainable_parameter_count = sum(p.numel() for p in params)
+    trace.trainable_parameter_count = sum(p.numel() for p in net.parameters() if p.requires_grad)
     trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
     step_graph = build_graph(trace)
     line = timeline(step_graph)

@@ -58,3 +58,17 @@ class ModuleScope:
     def _exit_module(self, module: nn.Module, args: object, output: object) -> None:
         if id(module) in self._names and self._stack:
             self._stack.pop()
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, ...]:
+    """Module paths of the repeated decoder layers: the children of the longest ``nn.ModuleList`` whose
+    modules share one class and hold parameters (``model.layers.0`` ... for Llama, ``transformer.h.0`` ...
+    for GPT-2)."""
+    best: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) <= len(best):
+            continue
+        kinds = {type(child) for child in module}
+        if len(kinds) == 1 and any(True for _ in module[0].parameters()):
+            best = tuple(f"{name}.{index}" for index in range(len(module)))
+    return best

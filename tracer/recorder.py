@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -46,23 +46,34 @@ class StepRecorder(TorchDispatchMode):
         self.storages: dict[int, Storage] = {}
         self._live: dict[int, int] = {}  # StorageImpl address -> storage id, for storages alive now
         self._finalizers: dict[int, weakref.ref] = {}
+        self._params: dict[str, torch.Tensor] = {}
 
-    def track_existing(self, tensor: torch.Tensor, role: Role, name: str, on_device: bool = True) -> None:
-        """Register a storage that exists before the step (parameters, optimizer states, inputs)."""
+    def track_existing(
+        self, tensor: torch.Tensor, role: Role, name: str, param: str | None = None, on_device: bool = True
+    ) -> None:
+        """Register a storage that exists before the step (parameters, optimizer states, inputs).
+        ``param`` names the parameter it belongs to; a parameter belongs to itself."""
+        if role is Role.PARAMETER:
+            self._params[name] = tensor
+            param = name
         storage = self._storage_of(tensor, created_at=None)
         if storage.created_at is None and not storage.name:
-            storage.role, storage.name = role, name
+            storage.role, storage.name, storage.param = role, name, param
             storage.on_device = storage.on_device and on_device
 
-    def enter(self, phase: Phase, gradients: Iterable[torch.Tensor] = ()) -> None:
-        """Mark a phase boundary. Storages made in forward and still alive now are saved activations."""
+    def enter(self, phase: Phase) -> None:
+        """Mark a phase boundary. Storages made in forward and still alive when it ends are saved
+        activations; what the parameters hold in ``.grad`` when backward ends are their gradients."""
         if self.phase is Phase.FORWARD and phase is not Phase.FORWARD:
             for storage_id in self._live.values():
                 storage = self.storages[storage_id]
                 if storage.created_at is not None and storage.role is Role.TEMPORARY:
                     storage.role = Role.ACTIVATION
-        for grad in gradients:
-            self._storage_of(grad, created_at=len(self.ops) - 1).role = Role.GRADIENT
+        if phase is Phase.OPTIMIZER:
+            for name, param in self._params.items():
+                if param.grad is not None:
+                    storage = self._storage_of(param.grad, created_at=len(self.ops) - 1)
+                    storage.role, storage.param = Role.GRADIENT, name
         self.phase = phase
 
     @contextmanager
@@ -87,8 +98,26 @@ class StepRecorder(TorchDispatchMode):
         index = len(self.ops)
         inputs = self._ids(tree_leaves((args, kwargs)), index)
         outputs = self._ids(tree_leaves(out), index)
+        if self.phase is Phase.OPTIMIZER:
+            self._inherit_lineage(func, args, out, index)
         self.ops.append(Op(index, str(func), self.scope.current(), self.phase, inputs, outputs))
         return out
+
+    def _inherit_lineage(self, func, args, out, index: int) -> None:
+        """Give storages an optimizer op creates the parameter of the input they derive from: element k of
+        a ``_foreach_`` op's output list from element k of its first list argument, otherwise the first
+        input that belongs to a parameter."""
+        created = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if func.__name__.startswith("_foreach_") and args and isinstance(args[0], list | tuple):
+            sources = [[t] for t in args[0]]
+        else:
+            sources = [[t for t in tree_leaves((args,)) if isinstance(t, torch.Tensor)]] * len(created)
+        for tensor, candidates in zip(created, sources, strict=False):
+            storage = self._storage_of(tensor, created_at=index)
+            if storage.created_at != index or storage.param is not None:
+                continue
+            parents = (self._storage_of(c, created_at=index).param for c in candidates)
+            storage.param = next((p for p in parents if p is not None), None)
 
     def _ids(self, leaves: list, index: int) -> tuple[int, ...]:
         ids: list[int] = []

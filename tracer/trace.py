@@ -34,6 +34,7 @@ class Storage:
     freed_after: int | None  # op index after which it died; None when it outlives the step
     on_device: bool = True  # False for host tensors (e.g. optimizer step counters on CUDA)
     name: str = ""  # parameter or state name for storages that existed before the step
+    param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Trace:
     assumptions: dict[str, Any] = field(default_factory=dict)
     parameter_count: int = 0
     trainable_parameter_count: int = 0
+    blocks: tuple[str, ...] = ()  # module paths of the repeated decoder layers, in forward order
 
     def phase_start(self, phase: Phase) -> int | None:
         """Index of the first op of ``phase``, or None if the phase has no ops."""

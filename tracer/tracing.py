@@ -23,7 +23,7 @@ from tracer.cuda import CudaEmulation
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope
+from tracer.modules import ModuleScope, decoder_blocks
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
@@ -68,12 +68,10 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
         if emulation is not None:
             workspace = torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8)
             recorder.track_existing(workspace, Role.WORKSPACE, "cuBLAS workspace")
-        params = [p for p in net.parameters() if p.requires_grad]
 
         def on_phase(phase: Phase) -> None:
             report(phase.value)
-            grads = [p.grad for p in params if p.grad is not None] if phase is Phase.OPTIMIZER else ()
-            recorder.enter(phase, grads)
+            recorder.enter(phase)
 
         with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
             step.run(batch, on_phase=on_phase)
@@ -83,7 +81,8 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     if cuda:
         mark_host_storages(trace)
     trace.parameter_count = sum(p.numel() for p in net.parameters())
-    trace.trainable_parameter_count = sum(p.numel() for p in params)
+    trace.trainable_parameter_count = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    trace.blocks = decoder_blocks(net)
     trace.assumptions = _assumptions(model, setup, optimizer, emulation)
     return trace
 
