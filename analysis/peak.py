@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis.liveness import Lifetime, lifetimes
+from analysis.liveness import lifetimes
 from tracer.graph import StepGraph
 from tracer.roles import Role
 
@@ -33,8 +33,8 @@ class Peak:
     breakdown: dict[Role, int]
 
 
-def timeline(step: StepGraph, spans: list[Lifetime] | None = None) -> Timeline:
-    spans = lifetimes(step) if spans is None else spans
+def timeline(step: StepGraph, rounded: bool = True) -> Timeline:
+    spans = lifetimes(step, rounded)
     roles = tuple(Role)
     slot = {role: r for r, role in enumerate(roles)}
     count = len(step.ops)

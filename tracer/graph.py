@@ -27,6 +27,7 @@ class StorageRow:
     module: str  # module of the producer
     on_device: bool
     name: str
+    param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
 
 
 @dataclass
@@ -34,6 +35,7 @@ class StepGraph:
     ops: list[Op]
     graph: nx.DiGraph  # node = op index; edge producer -> consumer, with the storage ids passed
     storages: dict[int, StorageRow]
+    blocks: tuple[str, ...] = ()  # module paths of the decoder layers, in forward order
 
 
 def build_graph(trace: Trace) -> StepGraph:
@@ -65,5 +67,6 @@ def build_graph(trace: Trace) -> StepGraph:
             module=trace.ops[producer].module if producer is not None else "",
             on_device=storage.on_device,
             name=storage.name,
+            param=storage.param,
         )
-    return StepGraph(ops=trace.ops, graph=graph, storages=rows)
+    return StepGraph(ops=trace.ops, graph=graph, storages=rows, blocks=trace.blocks)

@@ -12,6 +12,7 @@ class Role(str, Enum):
     ACTIVATION = "activations"
     TEMPORARY = "temporaries"
     WORKSPACE = "workspaces"
+    COMMUNICATION = "communication"  # collective buffers: all-gather, reduce-scatter, all-reduce, DDP buckets
 
 
 class Phase(str, Enum):

@@ -1,0 +1,212 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) on every decoder layer and on the root model, for one rank.
+
+Follows the runtime in torch/distributed/fsdp/_fully_shard (torch 2.11-2.13), with its defaults:
+
+* Each parameter is sharded on dim 0, padded to a multiple of the world size (``FSDPParam``); optimizer
+  states hold the rank's unpadded chunk.
+* Forward, per unit: all-gather into one flat buffer (``foreach_all_gather``; with a mixed-precision policy
+  the local shards are first copied into one flat buffer of the compute dtype), free the previous unit's
+  flat buffer, copy out into per-parameter unsharded storages (``wait_for_unshard``: in forward the flat
+  buffer is kept until the next unit's copy-out), run, free the unsharded storages (``reshard``). The root
+  does not reshard after forward (``_lazy_init`` clears its ``post_forward_mesh_info``); its post-forward
+  frees the last flat buffer the forward kept (``FSDPState._post_forward``).
+* Backward, per unit: copy out the prefetched buffer and free it, prefetch the next unit in backward order
+  (``_backward_prefetch``), run, then ``post_backward``: free the unsharded storages, free the
+  reduce-scatter input held from the previous unit (``reduce_scatter_max_input_buffers`` = 1), copy the
+  unsharded gradients into a flat reduce-scatter input and free them, and reduce-scatter into a flat
+  sharded-gradient buffer, cast to the parameter dtype if the reduce dtype differs (``foreach_reduce``).
+  The root reduce-scatters in the final backward callback, which then drops the held inputs.
+* Sharded gradients live until ``zero_grad``.
+
+With a mixed-precision policy the traced step is the one that computes in ``param_dtype`` (the unsharded
+parameters, activations and gradients); sharded parameters, optimizer states and optimizer temporaries
+keep the original dtype.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from strategies.rewrite import Point, Rewrite, unit_windows
+from strategies.sharding import Dim0Shard
+from tracer.graph import StepGraph, StorageRow
+from tracer.roles import Phase, Role
+
+ROOT = ""
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    world: int  # size of the sharding (data-parallel) group
+    rank: int = 0
+    reshard_after_forward: bool = True
+    mixed_precision: bool = False  # MixedPrecisionPolicy(param_dtype=<traced dtype>, reduce_dtype=float32)
+
+
+def fsdp(step: StepGraph, plan: FsdpPlan) -> StepGraph:
+    """The step of rank ``plan.rank`` under FSDP2."""
+    if plan.world < 2:
+        raise ValueError("FSDP needs a data-parallel group of at least 2 ranks")
+    return _Fsdp(step, plan).build()
+
+
+class _Fsdp:
+    def __init__(self, step: StepGraph, plan: FsdpPlan) -> None:
+        self.step, self.plan = step, plan
+        self.rw = Rewrite(step)
+        self.params = {row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param}
+        self.units: dict[str, list[str]] = {block: [] for block in step.blocks} | {ROOT: []}
+        for name in self.params:
+            self.units[self._unit_of(name)].append(name)
+        self.windows = unit_windows(step, {unit: (unit,) for unit in step.blocks} | {ROOT: ("",)})
+        self.shards = {name: Dim0Shard(row.shape, plan.world) for name, row in self.params.items()}
+        self.compute = {name: row.nbytes // max(1, _numel(row.shape)) for name, row in self.params.items()}
+        self.grads: dict[str, list[StorageRow]] = defaultdict(list)
+        for row in step.storages.values():
+            if row.role is Role.GRADIENT and row.param in self.params:
+                self.grads[self._unit_of(row.param)].append(row)
+        self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
+        self.held_reduce_input: int | None = None
+
+    def master(self, name: str) -> int:
+        """Bytes per element of the sharded parameter and its optimizer state."""
+        return FLOAT32_BYTES if self.plan.mixed_precision else self.compute[name]
+
+    def reduce(self, name: str) -> int:
+        return FLOAT32_BYTES if self.plan.mixed_precision else self.compute[name]
+
+    def build(self) -> StepGraph:
+        self.shard_state()
+        self.forward()
+        self.backward()
+        return self.rw.build()
+
+    def shard_state(self) -> None:
+        """Parameters keep a padded shard; optimizer states and temporaries the rank's chunk."""
+        for row in self.step.storages.values():
+            if row.param not in self.shards:
+                continue
+            shard, name = self.shards[row.param], row.param
+            if row.role is Role.PARAMETER:
+                self.rw.resize(row.id, shard.padded_shard_numel * self.master(name))
+            elif row.role is Role.OPTIMIZER_STATE or _made_in(self.step, row, Phase.OPTIMIZER):
+                numel = _numel(self.params[name].shape)
+                if _numel(row.shape) > 1 and row.nbytes % numel == 0:
+                    element = row.nbytes // numel * self.master(name) // self.compute[name]
+                    self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element)
+
+    def forward(self) -> None:
+        held = None
+        for unit in (ROOT, *self.step.blocks):
+            first, last = self.windows[unit][Phase.FORWARD]
+            gather = self.all_gather(unit, self.rw.before(first, "fsdp.all_gather", unit, Phase.FORWARD))
+            if held is not None:
+                self.rw.retime(held, last=gather.point)
+            held = gather.buffer
+            copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.FORWARD)
+            reshards = unit != ROOT and self.plan.reshard_after_forward
+            end = self.rw.after(last, "fsdp.reshard", unit, Phase.FORWARD) if reshards else None
+            rows = self.copy_out(unit, copy_out, end)
+            if not reshards:
+                self.unsharded[unit] = rows
+        root_end = self.windows[ROOT][Phase.FORWARD][1]
+        self.rw.retime(held, last=self.rw.after(root_end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
+
+    def backward(self) -> None:
+        order = [ROOT, *reversed(self.step.blocks)]
+        prefetched: dict[str, int] = {}
+        for position, unit in enumerate(order):
+            first, last = self.windows[unit][Phase.BACKWARD]
+            if unit != ROOT:
+                copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.BACKWARD)
+                self.rw.retime(prefetched.pop(unit), last=copy_out)
+                if self.plan.reshard_after_forward:
+                    self.unsharded[unit] = self.copy_out(unit, copy_out, None)
+            if position + 1 < len(order):
+                following = order[position + 1]
+                point = self.rw.before(first, "fsdp.all_gather (prefetch)", following, Phase.BACKWARD)
+                prefetched[following] = self.all_gather(following, point).buffer
+            if unit != ROOT:
+                self.post_backward(unit, last)
+        # The root's post_backward runs in the final callback, which then drops the held reduce-scatter input.
+        end = max(window[Phase.BACKWARD][1] for window in self.windows.values())
+        self.post_backward(ROOT, end)
+        self.rw.retime(self.held_reduce_input, last=self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD))
+
+    def all_gather(self, unit: str, point: Point) -> _Gather:
+        names = self.units[unit]
+        if self.plan.mixed_precision:  # local shards copied into one flat buffer of the compute dtype
+            copy_in = sum(self.shards[n].padded_shard_numel * self.compute[n] for n in names)
+            self.rw.add(copy_in, Role.COMMUNICATION, point, point, f"all-gather input {unit or 'root'}", "")
+        size = sum(self.shards[n].padded_numel * self.compute[n] for n in names)
+        buffer = self.rw.add(size, Role.COMMUNICATION, point, None, f"all-gather {unit or 'root'}", "")
+        return _Gather(point, buffer)
+
+    def copy_out(self, unit: str, first: Point, last: Point | None) -> list[int]:
+        return [
+            self.rw.add(
+                self.shards[name].padded_numel * self.compute[name],
+                Role.PARAMETER,
+                first,
+                last,
+                f"{name} (unsharded)",
+                self.params[name].dtype,
+                name,
+            )
+            for name in self.units[unit]
+        ]
+
+    def post_backward(self, unit: str, last: int) -> None:
+        rw, names = self.rw, self.units[unit]
+        reshard = rw.after(last, "fsdp.reshard", unit, Phase.BACKWARD)
+        for storage_id in self.unsharded.pop(unit, []):
+            rw.retime(storage_id, last=reshard)
+        if self.held_reduce_input is not None:
+            rw.retime(self.held_reduce_input, last=reshard)
+        reduce_in = rw.after(last, "fsdp.reduce_scatter", unit, Phase.BACKWARD)
+        size = sum(self.shards[n].padded_numel * self.reduce(n) for n in names)
+        self.held_reduce_input = rw.add(
+            size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {unit or 'root'}", ""
+        )
+        zero_grad = max((row.freed_after for row in self.grads[unit] if row.freed_after is not None), default=None)
+        for row in self.grads[unit]:
+            rw.retime(row.id, last=reduce_in)
+        reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
+        sharded = rw.add(
+            sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names),
+            Role.GRADIENT,
+            reduce_out,
+            None if zero_grad is None else Point(zero_grad, 0),
+            f"sharded gradients {unit or 'root'}",
+            "",
+        )
+        if any(self.reduce(n) != self.master(n) for n in names):
+            cast = rw.after(last, "fsdp.cast_gradients", unit, Phase.BACKWARD)
+            rw.retime(sharded, last=cast)
+            sizes = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
+            rw.add(sizes, Role.GRADIENT, cast, None if zero_grad is None else Point(zero_grad, 0), "", "")
+
+    def _unit_of(self, param: str) -> str:
+        for unit in self.step.blocks:
+            if param.startswith(unit + "."):
+                return unit
+        return ROOT
+
+
+@dataclass(frozen=True)
+class _Gather:
+    point: Point
+    buffer: int
+
+
+def _made_in(step: StepGraph, row: StorageRow, phase: Phase) -> bool:
+    return row.producer is not None and step.ops[row.producer].phase is phase
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result

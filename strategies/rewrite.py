@@ -1,0 +1,155 @@
+"""Edit a step graph: insert ops between recorded ops, resize and retime storages, add buffers.
+
+Positions are expressed against the original ops (``before(i)``, ``after(i)``); ops inserted at the same
+position keep the order in which they were inserted. ``build`` renumbers everything.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from itertools import count
+
+import networkx as nx
+
+from analysis.allocator import block_size
+from tracer.graph import StepGraph, StorageRow
+from tracer.roles import Phase, Role
+from tracer.trace import Op
+
+
+@dataclass(frozen=True)
+class Point:
+    """An op of the rewritten step: an original op, or one inserted before or after one."""
+
+    original: int
+    slot: int  # 0 for the original op itself; negative before it, positive after it, in insertion order
+
+
+class Rewrite:
+    def __init__(self, step: StepGraph) -> None:
+        self.step = step
+        self._inserted: dict[Point, Op] = {}
+        self._order = count(1)
+        self._rows: dict[int, tuple[StorageRow, Point | None, Point | None]] = {
+            row.id: (row, _point(row.producer), _point(row.freed_after)) for row in step.storages.values()
+        }
+        self._next_id = max(step.storages, default=-1) + 1
+
+    @property
+    def last(self) -> Point:
+        return Point(len(self.step.ops) - 1, 0)
+
+    def before(self, index: int, target: str, module: str, phase: Phase) -> Point:
+        """Insert an op before original op ``index`` (after anything already inserted there)."""
+        point = Point(index, -1_000_000 + next(self._order))
+        self._inserted[point] = Op(-1, target, module, phase, (), ())
+        return point
+
+    def after(self, index: int, target: str, module: str, phase: Phase) -> Point:
+        """Insert an op after original op ``index`` (after anything already inserted there)."""
+        point = Point(index, next(self._order))
+        self._inserted[point] = Op(-1, target, module, phase, (), ())
+        return point
+
+    def resize(self, storage_id: int, nbytes: int, dtype: str | None = None) -> None:
+        row, first, last = self._rows[storage_id]
+        row = replace(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype)
+        self._rows[storage_id] = (row, first, last)
+
+    def retime(self, storage_id: int, first: Point | object | None = ..., last: Point | object | None = ...) -> None:
+        """Move where a storage is allocated (``first``) or freed (``last``); None means before/after the step."""
+        row, old_first, old_last = self._rows[storage_id]
+        self._rows[storage_id] = (
+            row,
+            old_first if first is ... else first,
+            old_last if last is ... else last,
+        )
+
+    def add(
+        self,
+        nbytes: int,
+        role: Role,
+        first: Point | None,
+        last: Point | None,
+        name: str,
+        dtype: str,
+        param: str | None = None,
+    ) -> int:
+        """A new storage live from ``first`` to ``last`` (None: from before the step / past its end)."""
+        storage_id = self._next_id
+        self._next_id += 1
+        row = StorageRow(
+            id=storage_id,
+            bytes=block_size(nbytes),
+            nbytes=nbytes,
+            dtype=dtype,
+            shape=(nbytes,),
+            role=role,
+            producer=None,
+            freed_after=None,
+            users=(),
+            module="",
+            on_device=True,
+            name=name,
+            param=param,
+        )
+        self._rows[storage_id] = (row, first, last)
+        return storage_id
+
+    def row(self, storage_id: int) -> StorageRow:
+        return self._rows[storage_id][0]
+
+    def build(self) -> StepGraph:
+        points = sorted(
+            [Point(i, 0) for i in range(len(self.step.ops))] + list(self._inserted), key=lambda p: (p.original, p.slot)
+        )
+        index_of = {point: index for index, point in enumerate(points)}
+        ops = []
+        for index, point in enumerate(points):
+            op = self.step.ops[point.original] if point.slot == 0 else self._inserted[point]
+            ops.append(replace(op, index=index))
+        rows = {}
+        for storage_id, (row, first, last) in self._rows.items():
+            users = tuple(index_of[Point(u, 0)] for u in row.users)
+            rows[storage_id] = replace(
+                row,
+                producer=None if first is None else index_of[first],
+                freed_after=None if last is None else index_of[last],
+                users=users,
+            )
+        mapping = {old: index_of[Point(old, 0)] for old in self.step.graph.nodes}
+        graph = nx.relabel_nodes(self.step.graph, mapping)
+        graph.add_nodes_from(index_of[p] for p in self._inserted)
+        return StepGraph(ops=ops, graph=graph, storages=rows, blocks=self.step.blocks)
+
+
+def _point(index: int | None) -> Point | None:
+    return None if index is None else Point(index, 0)
+
+
+def unit_windows(step: StepGraph, units: dict[str, tuple[str, ...]]) -> dict[str, dict[Phase, tuple[int, int]]]:
+    """For each unit (a name and the module paths it owns), the first and last op of its forward and of
+    its backward. Ops of a module belong to the unit owning its longest matching path."""
+    owner: dict[str, str] = {}
+    windows: dict[str, dict[Phase, list[int]]] = defaultdict(dict)
+    for op in step.ops:
+        if op.phase is Phase.OPTIMIZER:
+            continue
+        unit = owner.get(op.module)
+        if unit is None:
+            unit = owner[op.module] = _owning_unit(op.module, units)
+        if unit is None:
+            continue
+        span = windows[unit].setdefault(op.phase, [op.index, op.index])
+        span[1] = op.index
+    return {unit: {phase: tuple(span) for phase, span in spans.items()} for unit, spans in windows.items()}
+
+
+def _owning_unit(module: str, units: dict[str, tuple[str, ...]]) -> str | None:
+    best, best_length = None, -1
+    for unit, prefixes in units.items():
+        for prefix in prefixes:
+            if (prefix == "" or module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = unit, len(prefix)
+    return best

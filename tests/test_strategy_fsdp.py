@@ -1,0 +1,55 @@
+"""FSDP2 as a transform of the single-GPU trace, against FSDP2 itself run for one rank of N."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from runtimes import fsdp2_peak
+from tiny_models import tiny_model
+
+from analysis.peak import find_peak, timeline
+from strategies.fsdp import FsdpPlan, fsdp
+from tracer.graph import build_graph
+from tracer.tracing import trace_step
+from tracer.training import Target, TrainingSetup
+
+TOLERANCE = 0.01
+
+
+def _estimate(family: str, setup: TrainingSetup, world: int, rank: int, mixed_precision: bool) -> int:
+    traced = dataclasses.replace(setup, dtype="bf16") if mixed_precision else setup
+    step = fsdp(
+        build_graph(trace_step(tiny_model(family), traced)), FsdpPlan(world, rank, mixed_precision=mixed_precision)
+    )
+    return find_peak(timeline(step, rounded=False)).bytes  # the tracker counts tensor bytes on CPU
+
+
+def _check(family: str, world: int, rank: int = 0, mixed_precision: bool = False, **shape) -> None:
+    setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | shape))
+    runtime = fsdp2_peak(tiny_model(family), setup, world, rank, mixed_precision)
+    estimate = _estimate(family, setup, world, rank, mixed_precision)
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_fsdp_matches_the_runtime(family, world):
+    _check(family, world)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_fsdp_mixed_precision_matches_the_runtime(family):
+    _check(family, 4, mixed_precision=True)
+
+
+def test_fsdp_last_rank_with_uneven_shards():
+    _check("gpt2", 8, rank=7, batch_size=3, seq_len=17)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family", ["mistral", "qwen2", "gemma2", "phi3", "opt", "bloom", "codegen", "gpt_neo", "gpt_neox", "gpt_bigcode"]
+)
+def test_fsdp_other_families(family):
+    _check(family, 4)
