@@ -12,6 +12,8 @@ from tabulate import tabulate
 from analysis.liveness import lifetimes
 from analysis.peak import Peak, Timeline
 from analysis.units import format_bytes
+from strategies.apply import Rank
+from strategies.layout import Layout
 from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
 from tracer.trace import Trace
@@ -38,12 +40,23 @@ class MemoryReport:
     parameter_count: int = 0
     trainable_parameter_count: int = 0
     kind: str = "estimate"  # or "measurement"
+    layout: Layout = field(default_factory=Layout)
+    rank: Rank = field(default_factory=Rank)
+    ranks: list[MemoryReport] = field(default_factory=list)  # every distinct rank, for parallel layouts
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        data = self._rank_json() | {"setup": {**self.setup.to_json(), **self.assumptions}, **self.extra}
+        if self.layout.distributed:
+            data["layout"] = self.layout.to_json()
+            data["ranks"] = [report._rank_json() for report in self.ranks]
+        return data
+
+    def _rank_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "model": self.model_id,
+            "rank": {"global": self.rank.global_rank(self.layout), "dp": self.rank.dp, "tp": self.rank.tp},
             "peak_bytes": self.peak_bytes,
             "peak_op": self.peak_op,
             "peak_module": self.peak_module,
@@ -55,8 +68,6 @@ class MemoryReport:
             "largest_at_peak": self.largest_at_peak,
             "parameter_count": self.parameter_count,
             "trainable_parameter_count": self.trainable_parameter_count,
-            "setup": {**self.setup.to_json(), **self.assumptions},
-            **self.extra,
         }
 
 
@@ -67,6 +78,8 @@ def build_report(
     step: StepGraph,
     line: Timeline,
     peak: Peak,
+    layout: Layout | None = None,
+    rank: Rank | None = None,
     kind: str = "estimate",
 ) -> MemoryReport:
     op = step.ops[peak.index]
@@ -91,6 +104,8 @@ def build_report(
         parameter_count=trace.parameter_count,
         trainable_parameter_count=trace.trainable_parameter_count,
         kind=kind,
+        layout=layout or Layout(),
+        rank=rank or Rank(),
     )
 
 
@@ -121,10 +136,25 @@ def live_groups(step: StepGraph, index: int) -> list[dict[str, Any]]:
 def render_text(report: MemoryReport) -> str:
     where = report.peak_module or "(model top level)"
     title = "Estimated" if report.kind == "estimate" else "Measured"
+    layout = report.layout
+    scope = f"per GPU, {layout.describe()}" if layout.distributed else "on one GPU"
     lines = [
-        f"{report.model_id}: one fine-tuning step on one GPU ({report.parameter_count / 1e9:.2f}B parameters,"
+        f"{report.model_id}: one fine-tuning step {scope} ({report.parameter_count / 1e9:.2f}B parameters,"
         f" {report.trainable_parameter_count / 1e9:.2f}B trainable)",
         "",
+    ]
+    if len(report.ranks) > 1:
+        rows = [
+            (r.rank.global_rank(layout), r.rank.dp, r.rank.tp, format_bytes(r.peak_bytes), r.peak_phase, r.peak_op)
+            for r in report.ranks
+        ]
+        lines += [
+            "Distinct ranks:",
+            tabulate(rows, headers=["rank", "dp rank", "tp rank", "peak", "phase", "at"], colalign=("right",)),
+            "",
+            f"The busiest rank is rank {report.rank.global_rank(layout)}:",
+        ]
+    lines += [
         f"{title} peak allocated memory: {format_bytes(report.peak_bytes)} ({report.peak_bytes:,} bytes)",
         f"  at {report.peak_op} in {where}, {report.peak_phase} (op {report.peak_op_index + 1:,} of "
         f"{report.op_count:,})",

@@ -14,11 +14,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from analysis.peak import find_peak, timeline
+from tracer.baseline import register_baseline
+from tracer.graph import build_graph
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import decoder_blocks
+from tracer.modules import ModuleScope, decoder_blocks
+from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
+from tracer.roles import Role
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
 from tracer.training import TrainingSetup
 
@@ -63,3 +69,33 @@ def fsdp2_peak(model: ResolvedModel, setup: TrainingSetup, world: int, rank: int
             fully_shard(net, mesh=mesh, mp_policy=policy)
 
         return _peak_of_step(model, setup, parallelize)
+
+
+def ddp_peak(model: ResolvedModel, setup: TrainingSetup, world: int) -> int:
+    """``DistributedDataParallel`` with its defaults, on real CPU tensors (its reducer is C++ and does not run
+    on fake ones). A pass-through communication hook hands back each bucket's flat buffer, which the
+    recorder counts from before the step as the reducer keeps it for the module's life."""
+    with fake_process_group(world, 0):
+        torch.manual_seed(0)
+        net = build_model(model.config, setup)
+        ddp = DistributedDataParallel(net)
+        buckets: dict[int, torch.Tensor] = {}
+
+        def keep_bucket(state, bucket):  # unannotated: DDP checks annotations, which are strings here
+            buckets[bucket.index()] = bucket.buffer()
+            future = torch.futures.Future()
+            future.set_result(bucket.buffer())
+            return future
+
+        ddp.register_comm_hook(None, keep_bucket)
+        step = TrainingStep(ddp, build_optimizer(net, setup, foreach=None))
+        batch = make_batch(model.config, setup, "cpu")
+        step.run(batch)
+        step.run(batch)  # the reducer rebuilds its buckets in gradient-ready order after the first step
+        recorder = StepRecorder(ModuleScope(net), device_type="cpu")
+        register_baseline(recorder, step, batch, step_counters_on_host=False)
+        for index, buffer in buckets.items():
+            recorder.track_existing(buffer, Role.COMMUNICATION, f"bucket {index}")
+        with recorder.recording():
+            step.run(batch, on_phase=recorder.enter)
+        return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes

@@ -172,3 +172,33 @@ def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeyp
     monkeypatch.setattr("tracer.measure._available_bytes", lambda target: 1024**2)
     code, _, err = _run(capsys, "measure", str(_config_file(tmp_path)), "--seq-len", "16", "--target", "cpu")
     _assert_user_error(code, err, "Measuring needs about", "only 1.000 MiB is free", "python -m tracer analyze")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus", "0"], "--gpus must be at least 1"),
+        (["--gpus", "6", "--tp", "4"], "--tp 4 must divide --gpus 6"),
+        (["--gpus", "2", "--tp", "2", "--zero", "2"], "--zero 2 shards over the data-parallel group"),
+        (["--gpus", "8", "--tp", "8"], "--tp 8 must divide the 4 attention heads"),
+        (["--gpus", "4", "--zero", "1"], "PyTorch has no ZeRO-1 runtime"),
+        (["--gpus", "4", "--sequence-parallel"], "apply to tensor parallelism"),
+    ],
+)
+def test_impossible_layouts(tmp_path, capsys, flags, message):
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "32", *flags)
+    _assert_user_error(code, err, message)
+
+
+def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
+    config = str(_config_file(tmp_path, "gpt2"))
+    code, out, _ = _run(capsys, "analyze", config, "--seq-len", "17", "--gpus", "8", "--zero", "3", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["layout"] | {"gpus": 8, "tp": 1, "dp": 8, "zero": 3, "engine": "fsdp"} == report["layout"]
+    ranks = report["ranks"]
+    assert [rank["rank"]["global"] for rank in ranks] == [0, 7]  # uneven shards: the last rank pads differently
+    assert report["peak_bytes"] == max(rank["peak_bytes"] for rank in ranks)
+    for rank in ranks:
+        assert sum(rank["breakdown"].values()) == rank["peak_bytes"]
+        assert rank["breakdown"]["communication"] > 0

@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         "optimizer.zero_grad(set_to_none=True).",
     )
     _add_step_arguments(analyze)
+    _add_layout_arguments(analyze)
     analyze.set_defaults(run=_run_analyze)
 
     measure = commands.add_parser(
@@ -106,6 +107,64 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
 
 
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    from strategies.layout import ENGINES, TP_OUTPUTS, ZERO_STAGES
+
+    group = parser.add_argument_group(
+        "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
+    )
+    group.add_argument("--gpus", type=int, default=1, help="total number of GPUs (default 1)")
+    group.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: Megatron-style column/row-parallel attention and MLP, vocabulary-parallel "
+        "embedding and lm_head; must divide --gpus and the attention heads (default 1); the data-parallel "
+        "degree is gpus / tp",
+    )
+    group.add_argument(
+        "--zero",
+        type=int,
+        choices=ZERO_STAGES,
+        default=0,
+        help="ZeRO stage over the data-parallel group: 0 replicates everything (DDP), 1 shards optimizer "
+        "states, 2 also gradients, 3 also parameters (default 0)",
+    )
+    group.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="fsdp",
+        help="whose runtime is modelled: fsdp = PyTorch (DDP for --zero 0, FSDP2 fully_shard for 2 and 3), "
+        "deepspeed = DeepSpeed ZeRO with its default bucket sizes (default fsdp)",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: shard the norms, residual stream and dropout along the sequence (Megatron SP)",
+    )
+    group.add_argument(
+        "--tp-output",
+        choices=TP_OUTPUTS,
+        default="parallel",
+        help="with --tp: keep the lm_head output sharded over the vocabulary and compute a vocabulary-parallel "
+        "loss (parallel, default), or all-gather the full logits on every GPU first, as ColossalAI's 1D TP and "
+        "transformers' colwise_gather_output plan do (gathered)",
+    )
+
+
+def _layout(args: argparse.Namespace):
+    from strategies.layout import Layout
+
+    return Layout(
+        gpus=args.gpus,
+        tp=args.tp,
+        zero=args.zero,
+        engine=args.engine,
+        sequence_parallel=args.sequence_parallel,
+        tp_output=args.tp_output,
+    )
+
+
 def _setup(args: argparse.Namespace) -> TrainingSetup:
     return TrainingSetup(
         batch_size=args.batch_size,
@@ -126,6 +185,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from tracer.resolve import resolve_model
 
     setup = _setup(args)
+    layout = _layout(args)
     find_gpu(setup.gpu)
     model = resolve_model(args.model)
     _warn_about_length(model, setup)
@@ -137,7 +197,7 @@ def _run_analyze(args: argparse.Namespace) -> int:
         stages.append(stage)
 
     _progress(args, f"Tracing one training step of {model.model_id} on fake tensors:", end="")
-    report = analyze(model, setup, progress=on_stage)
+    report = analyze(model, setup, layout, progress=on_stage)
     _progress(args, f"; done in {time.perf_counter() - start:.1f} s.")
     print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
     return 0

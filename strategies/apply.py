@@ -1,0 +1,80 @@
+"""From one traced single-GPU step to the step of each rank of a layout."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from strategies.ddp import ddp
+from strategies.fsdp import FsdpPlan, fsdp
+from strategies.layout import Layout
+from tracer.graph import StepGraph
+from tracer.training import TrainingSetup
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A rank of the layout, by its coordinates in the data- and tensor-parallel groups."""
+
+    dp: int = 0
+    tp: int = 0
+
+    def global_rank(self, layout: Layout) -> int:
+        return self.dp * layout.tp + self.tp
+
+
+def traced_setup(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, str | None]:
+    """The single-GPU step to trace for this layout, and what that choice assumes.
+
+    Sharded data parallelism with mixed precision computes in the low-precision dtype and keeps fp32 master
+    weights in the shards (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``), so its step
+    is the one with low-precision parameters, not autocast over fp32 ones.
+    """
+    if setup.mixed_precision and layout.zero in (2, 3) and layout.engine == "fsdp":
+        low = setup.mixed_precision
+        note = f"FSDP2 MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=float32) instead of autocast"
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+    return setup, None
+
+
+def runtime_assumptions(layout: Layout) -> dict[str, str]:
+    """What the estimate assumes about each runtime the layout uses, for the report."""
+    if not layout.distributed:
+        return {}
+    notes = {"layout": layout.describe()}
+    if layout.dp > 1 and layout.zero == 0 and layout.engine == "fsdp":
+        notes["data_parallel"] = (
+            "DistributedDataParallel defaults: gradient buckets of 25 MiB (the first 1 MiB) kept for the "
+            "module's life, gradient_as_bucket_view=False"
+        )
+    if layout.dp > 1 and layout.zero in (2, 3) and layout.engine == "fsdp":
+        notes["data_parallel"] = (
+            f"fully_shard on each decoder layer and on the root, reshard_after_forward={layout.zero == 3}, "
+            "one unit prefetched in backward, one reduce-scatter input held"
+        )
+    return notes
+
+
+def ranks(layout: Layout) -> list[Rank]:
+    """Ranks whose memory can differ: sharding pads the last data-parallel rank's shards."""
+    data = [0, layout.dp - 1] if layout.zero and layout.dp > 1 else [0]
+    return [Rank(dp=d) for d in data]
+
+
+def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> StepGraph:
+    """The step of ``rank``: the traced step transformed by the layout."""
+    if layout.tp > 1:
+        raise NotImplementedError("tensor parallelism")
+    if layout.dp == 1:
+        return step
+    if layout.engine == "deepspeed":
+        raise NotImplementedError("DeepSpeed")
+    if layout.zero == 0:
+        return ddp(step)
+    plan = FsdpPlan(
+        world=layout.dp,
+        rank=rank.dp,
+        reshard_after_forward=layout.zero == 3,
+        mixed_precision=setup.mixed_precision is not None,
+    )
+    return fsdp(step, plan)

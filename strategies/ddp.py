@@ -1,0 +1,48 @@
+"""PyTorch DDP (``torch.nn.parallel.DistributedDataParallel`` with its defaults), for one rank.
+
+With ``gradient_as_bucket_view=False`` the reducer keeps one flat buffer per gradient bucket for the life of
+the module: gradients are copied in as they become ready, all-reduced in place, and copied back to
+``.grad`` (torch/csrc/distributed/c10d/reducer.cpp). Buckets follow ``compute_bucket_assignment_by_size``:
+parameters in the order their gradients became ready in the first iteration (``_rebuild_buckets``),
+grouped by dtype, each bucket closed once it reaches its size limit: 1 MiB for the first
+(``dist._DEFAULT_FIRST_BUCKET_BYTES``), 25 MiB after (``bucket_cap_mb``).
+"""
+
+from __future__ import annotations
+
+from strategies.rewrite import Rewrite
+from tracer.graph import StepGraph
+from tracer.roles import Role
+
+FIRST_BUCKET_BYTES = 1024**2
+BUCKET_CAP_BYTES = 25 * 1024**2
+
+
+def bucket_sizes(gradients: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """(dtype, bytes) of each bucket, for gradients given as (dtype, bytes) in the order they become ready."""
+    open_buckets: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    buckets = []
+    for dtype, nbytes in gradients:
+        size = open_buckets.get(dtype, 0) + nbytes
+        limit = limits.setdefault(dtype, FIRST_BUCKET_BYTES)
+        if size >= limit:
+            buckets.append((dtype, size))
+            open_buckets.pop(dtype, None)
+            limits[dtype] = BUCKET_CAP_BYTES
+        else:
+            open_buckets[dtype] = size
+    buckets += [(dtype, size) for dtype, size in open_buckets.items()]
+    return buckets
+
+
+def ddp(step: StepGraph) -> StepGraph:
+    """The step of one rank under DDP: the single-GPU step plus the reducer's persistent buckets."""
+    grads = sorted(
+        (row for row in step.storages.values() if row.role is Role.GRADIENT),
+        key=lambda row: row.producer if row.producer is not None else -1,
+    )
+    rw = Rewrite(step)
+    for index, (dtype, nbytes) in enumerate(bucket_sizes([(row.dtype, row.nbytes) for row in grads])):
+        rw.add(nbytes, Role.COMMUNICATION, None, None, f"DDP bucket {index}", dtype)
+    return rw.build()

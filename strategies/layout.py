@@ -1,0 +1,95 @@
+"""A parallel layout: how many GPUs, how they split the model (tensor parallel) and the data (data parallel,
+with a ZeRO stage), and whose runtime is modelled."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from tracer.errors import UserError
+
+ENGINES = ("fsdp", "deepspeed")
+TP_OUTPUTS = ("parallel", "gathered")
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``gpus`` = ``tp`` x data-parallel degree. ``zero`` is the ZeRO stage over the data-parallel group (0 is
+    plain DDP). ``engine`` picks whose runtime is modelled: PyTorch (FSDP2 for stages 2 and 3, DDP for 0)
+    or DeepSpeed."""
+
+    gpus: int = 1
+    tp: int = 1
+    zero: int = 0
+    engine: str = "fsdp"
+    sequence_parallel: bool = False
+    tp_output: str = "parallel"
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise UserError(f"--gpus must be at least 1 (got {self.gpus}).")
+        if self.tp < 1:
+            raise UserError(f"--tp must be at least 1 (got {self.tp}).")
+        if self.gpus % self.tp:
+            raise UserError(f"--tp {self.tp} must divide --gpus {self.gpus} (the data-parallel degree is gpus / tp).")
+        if self.zero not in ZERO_STAGES:
+            raise UserError(f"--zero must be 0, 1, 2 or 3 (got {self.zero}).")
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine must be fsdp or deepspeed (got {self.engine!r}).")
+        if self.tp_output not in TP_OUTPUTS:
+            raise UserError(f"--tp-output must be parallel or gathered (got {self.tp_output!r}).")
+        if self.zero and self.dp == 1:
+            raise UserError(
+                f"--zero {self.zero} shards over the data-parallel group, which is a single GPU with --gpus "
+                f"{self.gpus} --tp {self.tp}. Use more GPUs or --zero 0."
+            )
+        if self.engine == "fsdp" and self.zero == 1:
+            raise UserError(
+                "PyTorch has no ZeRO-1 runtime: FSDP2 shards gradients too. Use --zero 2 or 3, or "
+                "--engine deepspeed --zero 1."
+            )
+        if self.tp == 1 and (self.sequence_parallel or self.tp_output != "parallel"):
+            raise UserError("--sequence-parallel and --tp-output apply to tensor parallelism: add --tp 2 or more.")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def distributed(self) -> bool:
+        return self.gpus > 1
+
+    def check_model(self, config: PretrainedConfig) -> None:
+        """Refuse layouts the model cannot be split into."""
+        if self.tp == 1:
+            return
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % self.tp:
+            raise UserError(f"--tp {self.tp} must divide the {heads} attention heads of this model.")
+        if kv_heads % self.tp and kv_heads != 1:
+            raise UserError(f"--tp {self.tp} must divide the {kv_heads} key/value heads of this model.")
+
+    def describe(self) -> str:
+        if not self.distributed:
+            return "1 GPU"
+        parts = []
+        if self.tp > 1:
+            sequence = " with sequence parallelism" if self.sequence_parallel else ""
+            parts.append(f"tensor parallel {self.tp}{sequence}")
+        if self.dp > 1:
+            parts.append(f"{self.data_parallel_name()} over {self.dp}")
+        return f"{self.gpus} GPUs: " + " x ".join(parts)
+
+    def data_parallel_name(self) -> str:
+        if self.zero == 0:
+            return "DDP" if self.engine == "fsdp" else "DeepSpeed data parallel"
+        if self.engine == "fsdp":
+            return "FSDP2" if self.zero == 3 else "FSDP2 (reshard_after_forward=False)"
+        return f"DeepSpeed ZeRO-{self.zero}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self) | {"dp": self.dp}
