@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from strategies.ddp import ddp
 from strategies.fsdp import FsdpPlan, fsdp
 from strategies.layout import Layout
+from strategies.tensor_parallel import megatron_plan, tensor_parallel
 from tracer.graph import StepGraph
 from tracer.training import TrainingSetup
 
@@ -42,6 +43,16 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
     if not layout.distributed:
         return {}
     notes = {"layout": layout.describe()}
+    if layout.tp > 1:
+        loss = (
+            "lm_head output all-gathered to the full vocabulary on every GPU"
+            if layout.tp_output == "gathered"
+            else "lm_head output kept sliced over the vocabulary, loss_parallel() cross-entropy"
+        )
+        notes["tensor_parallel"] = (
+            "PyTorch DTensor parallelize_module: the model's transformers TP plan for the decoder layers "
+            f"(colwise/rowwise), vocabulary-parallel embedding; {loss}"
+        )
     if layout.dp > 1 and layout.zero == 0 and layout.engine == "fsdp":
         notes["data_parallel"] = (
             "DistributedDataParallel defaults: gradient buckets of 25 MiB (the first 1 MiB) kept for the "
@@ -56,15 +67,18 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
 
 
 def ranks(layout: Layout) -> list[Rank]:
-    """Ranks whose memory can differ: sharding pads the last data-parallel rank's shards."""
+    """Ranks whose memory can differ: the last tensor-parallel rank may hold a shorter slice of the
+    vocabulary, and sharding pads the last data-parallel rank's shards."""
+    tensor = [0, layout.tp - 1] if layout.tp > 1 else [0]
     data = [0, layout.dp - 1] if layout.zero and layout.dp > 1 else [0]
-    return [Rank(dp=d) for d in data]
+    return [Rank(dp=d, tp=t) for d in data for t in tensor]
 
 
 def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> StepGraph:
-    """The step of ``rank``: the traced step transformed by the layout."""
+    """The step of ``rank``: the traced step transformed by the layout, tensor parallelism first."""
     if layout.tp > 1:
-        raise NotImplementedError("tensor parallelism")
+        plan = megatron_plan(step.structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
+        step = tensor_parallel(step, plan)
     if layout.dp == 1:
         return step
     if layout.engine == "deepspeed":

@@ -32,9 +32,10 @@ from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
+from tracer.trace import element_size
 
 ROOT = ""
-FLOAT32_BYTES = 4
+FLOAT32_BYTES = element_size("float32")
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,12 @@ class _Fsdp:
         self.step, self.plan = step, plan
         self.rw = Rewrite(step)
         self.params = {row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param}
-        self.units: dict[str, list[str]] = {block: [] for block in step.blocks} | {ROOT: []}
+        self.units: dict[str, list[str]] = {block: [] for block in step.structure.blocks} | {ROOT: []}
         for name in self.params:
             self.units[self._unit_of(name)].append(name)
-        self.windows = unit_windows(step, {unit: (unit,) for unit in step.blocks} | {ROOT: ("",)})
+        self.windows = unit_windows(step, {unit: (unit,) for unit in step.structure.blocks} | {ROOT: ("",)})
         self.shards = {name: Dim0Shard(row.shape, plan.world) for name, row in self.params.items()}
-        self.compute = {name: row.nbytes // max(1, _numel(row.shape)) for name, row in self.params.items()}
+        self.compute = {name: element_size(row.dtype) for name, row in self.params.items()}
         self.grads: dict[str, list[StorageRow]] = defaultdict(list)
         for row in step.storages.values():
             if row.role is Role.GRADIENT and row.param in self.params:
@@ -99,7 +100,7 @@ class _Fsdp:
 
     def forward(self) -> None:
         held = None
-        for unit in (ROOT, *self.step.blocks):
+        for unit in (ROOT, *self.step.structure.blocks):
             first, last = self.windows[unit][Phase.FORWARD]
             gather = self.all_gather(unit, self.rw.before(first, "fsdp.all_gather", unit, Phase.FORWARD))
             if held is not None:
@@ -115,16 +116,17 @@ class _Fsdp:
         self.rw.retime(held, last=self.rw.after(root_end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
 
     def backward(self) -> None:
-        order = [ROOT, *reversed(self.step.blocks)]
+        """Units that were resharded after forward all-gather again, each prefetching the next; without
+        resharding, the parameters are still unsharded and nothing is gathered."""
+        order = [ROOT, *reversed(self.step.structure.blocks)]
         prefetched: dict[str, int] = {}
         for position, unit in enumerate(order):
             first, last = self.windows[unit][Phase.BACKWARD]
-            if unit != ROOT:
+            if unit != ROOT and self.plan.reshard_after_forward:
                 copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.BACKWARD)
                 self.rw.retime(prefetched.pop(unit), last=copy_out)
-                if self.plan.reshard_after_forward:
-                    self.unsharded[unit] = self.copy_out(unit, copy_out, None)
-            if position + 1 < len(order):
+                self.unsharded[unit] = self.copy_out(unit, copy_out, None)
+            if position + 1 < len(order) and self.plan.reshard_after_forward:
                 following = order[position + 1]
                 point = self.rw.before(first, "fsdp.all_gather (prefetch)", following, Phase.BACKWARD)
                 prefetched[following] = self.all_gather(following, point).buffer
@@ -189,7 +191,7 @@ class _Fsdp:
             rw.add(sizes, Role.GRADIENT, cast, None if zero_grad is None else Point(zero_grad, 0), "", "")
 
     def _unit_of(self, param: str) -> str:
-        for unit in self.step.blocks:
+        for unit in self.step.structure.blocks:
             if param.startswith(unit + "."):
                 return unit
         return ROOT

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
+from strategies.tensor_parallel import COLWISE, ROWWISE
 from tracer.errors import UserError
 
 ENGINES = ("fsdp", "deepspeed")
@@ -70,8 +71,22 @@ class Layout:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if heads % self.tp:
             raise UserError(f"--tp {self.tp} must divide the {heads} attention heads of this model.")
-        if kv_heads % self.tp and kv_heads != 1:
+        if kv_heads % self.tp:
             raise UserError(f"--tp {self.tp} must divide the {kv_heads} key/value heads of this model.")
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        name = type(config).__name__.removesuffix("Config")
+        if not plan:
+            raise UserError(
+                f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
+                "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Gemma-2, "
+                "GPT-NeoX/Pythia); use --tp 1."
+            )
+        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE)})
+        if unsupported:
+            raise UserError(
+                f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
+                "(only colwise and rowwise layers are); use --tp 1."
+            )
 
     def describe(self) -> str:
         if not self.distributed:

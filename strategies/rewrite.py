@@ -52,10 +52,21 @@ class Rewrite:
         self._inserted[point] = Op(-1, target, module, phase, (), ())
         return point
 
-    def resize(self, storage_id: int, nbytes: int, dtype: str | None = None) -> None:
+    def resize(
+        self, storage_id: int, nbytes: int, dtype: str | None = None, shape: tuple[int, ...] | None = None
+    ) -> None:
         row, first, last = self._rows[storage_id]
-        row = replace(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype)
+        row = replace(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype, shape=shape or row.shape)
         self._rows[storage_id] = (row, first, last)
+
+    def set_role(self, storage_id: int, role: Role) -> None:
+        row, first, last = self._rows[storage_id]
+        self._rows[storage_id] = (replace(row, role=role), first, last)
+
+    def lifetime(self, storage_id: int) -> tuple[Point | None, Point | None]:
+        """Where the storage is allocated and freed now (None: before / after the step)."""
+        _, first, last = self._rows[storage_id]
+        return first, last
 
     def retime(self, storage_id: int, first: Point | object | None = ..., last: Point | object | None = ...) -> None:
         """Move where a storage is allocated (``first``) or freed (``last``); None means before/after the step."""
@@ -121,7 +132,7 @@ class Rewrite:
         mapping = {old: index_of[Point(old, 0)] for old in self.step.graph.nodes}
         graph = nx.relabel_nodes(self.step.graph, mapping)
         graph.add_nodes_from(index_of[p] for p in self._inserted)
-        return StepGraph(ops=ops, graph=graph, storages=rows, blocks=self.step.blocks)
+        return StepGraph(ops=ops, graph=graph, storages=rows, structure=self.step.structure)
 
 
 def _point(index: int | None) -> Point | None:

@@ -1,4 +1,4 @@
-"""How a tensor is split along dim 0 over N ranks, as ``torch.chunk`` and FSDP2 split it."""
+"""How a tensor is split over N ranks, as ``torch.chunk``, FSDP2 and DTensor's ``Shard`` split it."""
 
 from __future__ import annotations
 
@@ -34,5 +34,11 @@ class Dim0Shard:
 
     def local_numel(self, rank: int) -> int:
         """Elements rank ``rank`` really holds (the last ranks hold fewer rows, or none)."""
-        rows = min(self.padded_rows, max(0, self.rows - rank * self.padded_rows))
-        return rows * self.row_numel
+        return chunk_length(self.rows, self.world, rank) * self.row_numel
+
+
+def chunk_length(length: int, world: int, rank: int) -> int:
+    """Length of rank ``rank``'s piece of ``torch.chunk(tensor, world)`` along a dimension of ``length``:
+    pieces of ceil(length / world), the last ones shorter or empty."""
+    piece = -(-length // world)
+    return min(piece, max(0, length - rank * piece))

@@ -5,23 +5,42 @@ against."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, _redistribute, _sharding_prop
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis.peak import find_peak, timeline
+from strategies.tensor_parallel import (
+    COLWISE,
+    COLWISE_GATHER_OUTPUT,
+    EMBEDDING_ROWWISE,
+    ROWWISE,
+    TpPlan,
+    megatron_plan,
+)
 from tracer.baseline import register_baseline
 from tracer.graph import build_graph
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope, decoder_blocks
+from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Role
@@ -31,6 +50,10 @@ from tracer.training import TrainingSetup
 
 @contextmanager
 def fake_process_group(world: int, rank: int) -> Iterator[None]:
+    """A fake process group in which this process is ``rank``. DTensor caches sharding decisions, which
+    hold local shapes, by placement only: they are dropped so that another rank's are not reused."""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute._gen_transform_infos.cache_clear()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         yield
@@ -38,25 +61,67 @@ def fake_process_group(world: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _peak_of_step(model: ResolvedModel, setup: TrainingSetup, parallelize: Callable[[nn.Module], None]) -> int:
-    """Build under FakeTensorMode, parallelize, run two steps, and track the third with FSDPMemTracker
-    (which tracks plain modules as well as FSDP ones)."""
-    with FakeTensorMode(), MetaFixes():
+def _real_mesh(build: Callable[..., DeviceMesh]) -> Callable[..., DeviceMesh]:
+    def build_outside_fake_mode(*args, **kwargs) -> DeviceMesh:
+        with unset_fake_temporarily():
+            return build(*args, **kwargs)
+
+    return build_outside_fake_mode
+
+
+def _peak_of_step(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    parallelize: Callable[[nn.Module], None],
+    context: Callable[[], AbstractContextManager] = nullcontext,
+) -> int:
+    """Build under FakeTensorMode, parallelize, run two steps, and track the third with MemTracker (or
+    FSDPMemTracker when FSDP wraps the model), which counts DTensor's local tensors.
+
+    DTensor computes output shapes by running each op on fake global-shape tensors, in the fake mode it
+    finds active; on a GPU that is a mode of its own and allocates nothing, so it is made one here too.
+    FSDP2 on a tensor-parallel model builds a device mesh, whose ranks are a small real tensor, so that is
+    done outside the fake mode."""
+    with (
+        FakeTensorMode(),
+        MetaFixes(),
+        patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None),
+        patch.object(DeviceMesh, "_concatenate", staticmethod(_real_mesh(DeviceMesh._concatenate))),
+    ):
         torch.manual_seed(0)
         net = build_model(model.config, setup)
         parallelize(net)
         step = TrainingStep(net, build_optimizer(net, setup, foreach=None))
+        if setup.autocast_dtype is not None:
+            step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
         batch = make_batch(model.config, setup, "cpu")
-        step.run(batch)
-        step.run(batch)
-        tracker = FSDPMemTracker(net, step.optimizer)
-        tracker.track_inputs((batch.input_ids, batch.labels))
-        with tracker:
+        with context():
             step.run(batch)
+            step.run(batch)
+            tracker = _tracker(net, step.optimizer, batch)
+            with tracker:
+                step.run(batch)
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
-def fsdp2_peak(model: ResolvedModel, setup: TrainingSetup, world: int, rank: int = 0, mixed_precision=False) -> int:
+def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
+    if isinstance(net, FSDPModule):
+        tracker = FSDPMemTracker(net, optimizer)
+        tracker.track_inputs((batch.input_ids, batch.labels))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(net, optimizer, batch.input_ids, batch.labels)
+    return tracker
+
+
+def fsdp2_peak(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    world: int,
+    rank: int = 0,
+    mixed_precision: bool = False,
+    reshard_after_forward: bool = True,
+) -> int:
     """``fully_shard`` on every decoder layer and on the root; fp32 model, or bf16 compute with fp32 reduce."""
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
 
@@ -65,10 +130,58 @@ def fsdp2_peak(model: ResolvedModel, setup: TrainingSetup, world: int, rank: int
 
         def parallelize(net: nn.Module) -> None:
             for block in decoder_blocks(net):
-                fully_shard(net.get_submodule(block), mesh=mesh, mp_policy=policy)
-            fully_shard(net, mesh=mesh, mp_policy=policy)
+                fully_shard(
+                    net.get_submodule(block), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
+                )
+            fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
         return _peak_of_step(model, setup, parallelize)
+
+
+def _dtensor_plan(plan: TpPlan) -> dict[str, ParallelStyle]:
+    styles = {
+        COLWISE: ColwiseParallel(),
+        ROWWISE: RowwiseParallel(),
+        EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate()),
+        COLWISE_GATHER_OUTPUT: ColwiseParallel(output_layouts=Replicate()),
+    }
+    dtensor_plan = {pattern: styles[style] for pattern, style in plan.styles.items()}
+    for pattern, style in plan.styles.items():
+        if style == COLWISE and "*" not in pattern:  # the lm_head, feeding loss_parallel()
+            dtensor_plan[pattern] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return dtensor_plan
+
+
+def tensor_parallel_peak(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    degree: int,
+    rank: int = 0,
+    gathered_output: bool = False,
+    data_parallel: int = 1,
+    data_rank: int = 0,
+    reshard_after_forward: bool = True,
+) -> int:
+    """``parallelize_module`` with the Megatron plan the estimate assumes (the lm_head's output left sliced
+    for ``loss_parallel()``, or gathered), over ``degree`` ranks; with ``data_parallel`` > 1, FSDP2 over the
+    other dimension of a 2-D mesh."""
+    world = degree * data_parallel
+    with fake_process_group(world, data_rank * degree + rank):
+        mesh = init_device_mesh("cpu", (data_parallel, degree), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            structure = model_structure(build_model(model.config, setup))
+        plan = megatron_plan(structure, degree, rank, gathered_output)
+
+        def parallelize(net: nn.Module) -> None:
+            parallelize_module(net, mesh["tp"], _dtensor_plan(plan))
+            if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
+                net.get_output_embeddings().weight = net.get_input_embeddings().weight
+            if data_parallel > 1:
+                for block in structure.blocks:
+                    fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+                fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+
+        return _peak_of_step(model, setup, parallelize, nullcontext if gathered_output else loss_parallel)
 
 
 def ddp_peak(model: ResolvedModel, setup: TrainingSetup, world: int) -> int:

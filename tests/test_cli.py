@@ -202,3 +202,24 @@ def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     for rank in ranks:
         assert sum(rank["breakdown"].values()) == rank["peak_bytes"]
         assert rank["breakdown"]["communication"] > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "message"),
+    [
+        ("gpt2", "transformers defines none for GPT2"),
+        ("mixtral", "packed_colwise"),
+        ("phi3", "colwise_gather_output"),
+    ],
+)
+def test_tensor_parallelism_needs_a_modelled_plan(tmp_path, capsys, family, message):
+    config = str(_config_file(tmp_path, family))
+    code, _, err = _run(capsys, "analyze", config, "--seq-len", "32", "--gpus", "2", "--tp", "2")
+    _assert_user_error(code, err, message)
+
+
+def test_tensor_parallel_report(tmp_path, capsys):
+    config = str(_config_file(tmp_path, "llama", num_key_value_heads=4))
+    code, out, _ = _run(capsys, "analyze", config, "--seq-len", "32", "--gpus", "4", "--tp", "2", "--zero", "3")
+    assert code == 0
+    assert "4 GPUs: tensor parallel 2 x FSDP2 over 2" in out and "tensor_parallel" in out

@@ -120,7 +120,7 @@ def test_workspaces_appear_in_the_cuda_trace():
     assert [s.nbytes for s in workspace] == [32 * 1024**2]
     backward = next(op for op in trace.ops if op.target == "aten._scaled_dot_product_flash_attention_backward.default")
     made_before = {
-        op.index for op in trace.ops[backward.index - 4 : backward.index] if op.target == "aten.empty.memory_format"
+        op.index for op in trace.ops[backward.index - 4 : backward.index] if op.target == "aten.new_empty.default"
     }
     scratch = [s for s in trace.storages.values() if s.created_at in made_before]
     assert all(s.freed_after == backward.index for s in scratch)

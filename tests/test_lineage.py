@@ -22,4 +22,5 @@ def test_parameter_lineage(family, target, optimizer):
             assert storage.param in params, (storage, trace.ops[storage.created_at] if made_in_optimizer else None)
         if storage.role is Role.GRADIENT or (made_in_optimizer and storage.nbytes > 4):
             assert storage.nbytes == params[storage.param].nbytes
-    assert len(trace.blocks) == 2 and trace.blocks[1].endswith(".1")
+    blocks = trace.structure.blocks
+    assert len(blocks) == 2 and blocks[1].endswith(".1")

@@ -17,18 +17,18 @@ from tracer.training import Target, TrainingSetup
 TOLERANCE = 0.01
 
 
-def _estimate(family: str, setup: TrainingSetup, world: int, rank: int, mixed_precision: bool) -> int:
-    traced = dataclasses.replace(setup, dtype="bf16") if mixed_precision else setup
-    step = fsdp(
-        build_graph(trace_step(tiny_model(family), traced)), FsdpPlan(world, rank, mixed_precision=mixed_precision)
-    )
+def _estimate(family: str, setup: TrainingSetup, plan: FsdpPlan) -> int:
+    traced = dataclasses.replace(setup, dtype="bf16") if plan.mixed_precision else setup
+    step = fsdp(build_graph(trace_step(tiny_model(family), traced)), plan)
     return find_peak(timeline(step, rounded=False)).bytes  # the tracker counts tensor bytes on CPU
 
 
-def _check(family: str, world: int, rank: int = 0, mixed_precision: bool = False, **shape) -> None:
+def _check(
+    family: str, world: int, rank: int = 0, mixed_precision: bool = False, reshard: bool = True, **shape
+) -> None:
     setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | shape))
-    runtime = fsdp2_peak(tiny_model(family), setup, world, rank, mixed_precision)
-    estimate = _estimate(family, setup, world, rank, mixed_precision)
+    runtime = fsdp2_peak(tiny_model(family), setup, world, rank, mixed_precision, reshard_after_forward=reshard)
+    estimate = _estimate(family, setup, FsdpPlan(world, rank, reshard, mixed_precision))
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
@@ -41,6 +41,12 @@ def test_fsdp_matches_the_runtime(family, world):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
 def test_fsdp_mixed_precision_matches_the_runtime(family):
     _check(family, 4, mixed_precision=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_fsdp_without_resharding_after_forward_matches_the_runtime(family):
+    """ZeRO-2: parameters stay unsharded from forward to their post-backward; nothing is gathered in backward."""
+    _check(family, 4, reshard=False)
 
 
 def test_fsdp_last_rank_with_uneven_shards():

@@ -4,13 +4,13 @@ storage table the memory passes read (bytes as the allocator rounds them, role, 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
 from analysis.allocator import block_size
 from tracer.roles import Role
-from tracer.trace import Op, Trace
+from tracer.trace import ModelStructure, Op, Trace
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class StepGraph:
     ops: list[Op]
     graph: nx.DiGraph  # node = op index; edge producer -> consumer, with the storage ids passed
     storages: dict[int, StorageRow]
-    blocks: tuple[str, ...] = ()  # module paths of the decoder layers, in forward order
+    structure: ModelStructure = field(default_factory=ModelStructure)
 
 
 def build_graph(trace: Trace) -> StepGraph:
@@ -69,4 +69,4 @@ def build_graph(trace: Trace) -> StepGraph:
             name=storage.name,
             param=storage.param,
         )
-    return StepGraph(ops=trace.ops, graph=graph, storages=rows, blocks=trace.blocks)
+    return StepGraph(ops=trace.ops, graph=graph, storages=rows, structure=trace.structure)

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from tracer.trace import ModelStructure
+
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
@@ -58,6 +60,18 @@ class ModuleScope:
     def _exit_module(self, module: nn.Module, args: object, output: object) -> None:
         if id(module) in self._names and self._stack:
             self._stack.pop()
+
+
+def model_structure(model: nn.Module) -> ModelStructure:
+    names = {id(module): name for name, module in model.named_modules()}
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return ModelStructure(
+        blocks=decoder_blocks(model),
+        input_embedding=names[id(model.get_input_embeddings())],
+        output_embedding=names.get(id(output)) if output is not None else None,
+        tp_plan=dict(getattr(model, "_tp_plan", None) or {}),
+        model_class=type(model).__name__,
+    )
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, ...]:

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from tracer.roles import Phase, Role
+
+
+def element_size(dtype: str) -> int:
+    """Bytes per element of a dtype as storages record it ("float32", "bfloat16", ...)."""
+    return getattr(torch, dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,17 @@ class Storage:
     param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
 
 
+@dataclass(frozen=True)
+class ModelStructure:
+    """What strategies need to know about the model's module tree."""
+
+    blocks: tuple[str, ...] = ()  # module paths of the repeated decoder layers, in forward order
+    input_embedding: str = ""  # module path of the token embedding
+    output_embedding: str | None = None  # module path of the lm_head, if the model has one
+    tp_plan: dict[str, str] = field(default_factory=dict)  # transformers' own: module path pattern -> style
+    model_class: str = ""
+
+
 @dataclass
 class Trace:
     ops: list[Op]
@@ -44,7 +62,7 @@ class Trace:
     assumptions: dict[str, Any] = field(default_factory=dict)
     parameter_count: int = 0
     trainable_parameter_count: int = 0
-    blocks: tuple[str, ...] = ()  # module paths of the repeated decoder layers, in forward order
+    structure: ModelStructure = field(default_factory=ModelStructure)
 
     def phase_start(self, phase: Phase) -> int | None:
         """Index of the first op of ``phase``, or None if the phase has no ops."""

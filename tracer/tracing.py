@@ -23,7 +23,7 @@ from tracer.cuda import CudaEmulation
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope, decoder_blocks
+from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
@@ -82,7 +82,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
         mark_host_storages(trace)
     trace.parameter_count = sum(p.numel() for p in net.parameters())
     trace.trainable_parameter_count = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    trace.blocks = decoder_blocks(net)
+    trace.structure = model_structure(net)
     trace.assumptions = _assumptions(model, setup, optimizer, emulation)
     return trace
 

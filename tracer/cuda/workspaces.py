@@ -64,7 +64,8 @@ class KernelScratch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         scratch = self._scratch(func, args)
-        buffers = [torch.empty(shape, dtype=dtype, device=args[1].device) for shape, dtype in scratch]
+        # Made from the query, so that the trace links them to it (their size follows its heads).
+        buffers = [args[1].new_empty(shape, dtype=dtype) for shape, dtype in scratch]
         out = func(*args, **(kwargs or {}))
         del buffers
         return out

@@ -1,0 +1,374 @@
+"""Megatron-style 1D tensor parallelism, as PyTorch's DTensor runs it (``parallelize_module``), for one rank.
+
+Each module of the plan has a style (transformers' names, torch/distributed/tensor/parallel/style.py):
+
+* ``colwise`` (``ColwiseParallel``): weight and bias split along the output features. The output is the
+  rank's slice. In backward the input gradient is a partial sum, all-reduced when it leaves the module
+  (``_FromTorchTensor.backward`` redistributes it to ``Replicate``).
+* ``rowwise`` (``RowwiseParallel``): weight split along the input features, bias replicated. The sliced
+  input gives a full-size partial output, all-reduced into a new buffer (``funcol.all_reduce`` clones,
+  then reduces in place) that takes over from it.
+* ``embedding_rowwise`` (``RowwiseParallel`` on ``nn.Embedding``): the vocabulary split over ranks. Each
+  rank looks up its rows into a full-size partial output (ids of other ranks masked to zero), all-reduced.
+* ``colwise_gather_output`` (``ColwiseParallel(output_layouts=Replicate())``): ``colwise`` whose output
+  is gathered: ``all_gather_into_tensor`` into a (ranks x slice) buffer, then ``cat`` into the full tensor.
+  In backward the full gradient is split back to the rank's slice (a contiguous copy).
+
+Activations follow from the weights: the step is walked in op order and each new storage gets the share
+of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a slice from a full input,
+and a partial sum from a sliced one; any other op's output is as sliced as its inputs. Gradients,
+optimizer states and optimizer temporaries take the share of their parameter.
+
+A ``log_softmax`` over a vocabulary-sliced input is ``loss_parallel()``'s vocabulary-parallel loss
+(torch/distributed/tensor/parallel/loss.py), whose slice-sized temporaries are added op by op: forward
+``shifted = x - max`` and ``exp(shifted)``; backward ``zeros_like(x)``, ``exp(x)``, their sum, and the
+product that is the logits' gradient. Its per-token temporaries (masks, indices) are left out, as are the
+embedding's: they hold a few bytes per token, against the logits' vocabulary-sized rows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from strategies.rewrite import Point, Rewrite
+from strategies.sharding import chunk_length
+from tracer.errors import UserError
+from tracer.graph import StepGraph, StorageRow
+from tracer.roles import Phase, Role
+from tracer.trace import ModelStructure
+
+COLWISE = "colwise"
+ROWWISE = "rowwise"
+EMBEDDING_ROWWISE = "embedding_rowwise"
+COLWISE_GATHER_OUTPUT = "colwise_gather_output"
+STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT)
+
+# Which dimension of a style's weight and bias is split (None: replicated).
+_WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, EMBEDDING_ROWWISE: 0}
+_BIAS_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: None, EMBEDDING_ROWWISE: None}
+
+_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
+_EMBEDDING = "aten.embedding.default"
+_EMBEDDING_BACKWARD = "aten.embedding_dense_backward.default"
+_LOG_SOFTMAX = "aten._log_softmax.default"
+_NLL_LOSS_BACKWARD = "aten.nll_loss_backward.default"
+_LOG_SOFTMAX_BACKWARD = "aten._log_softmax_backward_data.default"
+GRADIENT_SHAPED_STATE = ".momentum_buffer"
+
+
+@dataclass(frozen=True)
+class TpPlan:
+    degree: int
+    rank: int = 0
+    styles: Mapping[str, str] = field(default_factory=dict)  # module path pattern ("*" = a layer index) -> style
+
+    def style_of(self, module: str) -> str | None:
+        for pattern, style in self.styles.items():
+            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module):
+                return style
+        return None
+
+
+def megatron_plan(structure: ModelStructure, degree: int, rank: int, gathered_output: bool) -> TpPlan:
+    """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
+    embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered."""
+    if not structure.blocks:
+        raise UserError(f"--tp: no repeated decoder layers were found in {structure.model_class}.")
+    layers = structure.blocks[0].rpartition(".")[0] + ".*."
+    styles = {pattern: style for pattern, style in structure.tp_plan.items() if pattern.startswith(layers)}
+    if not styles:
+        raise UserError(
+            f"--tp needs a tensor-parallel plan for the decoder layers, and transformers defines none for "
+            f"{structure.model_class}. Tensor parallelism is modelled for models that have one (Llama, "
+            "Mistral, Qwen2, Gemma-2, GPT-NeoX/Pythia); use --tp 1."
+        )
+    for pattern, style in styles.items():
+        if style not in (COLWISE, ROWWISE):
+            raise UserError(
+                f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
+                "not modelled (only colwise and rowwise are); use --tp 1."
+            )
+    styles[structure.input_embedding] = EMBEDDING_ROWWISE
+    if structure.output_embedding:
+        styles[structure.output_embedding] = COLWISE_GATHER_OUTPUT if gathered_output else COLWISE
+    return TpPlan(degree, rank, styles)
+
+
+@dataclass(frozen=True)
+class _Share:
+    """The part of a storage's single-GPU bytes this rank holds: ``local`` of the ``length`` of the split
+    dimension."""
+
+    local: int = 1
+    length: int = 1
+    partial: bool = False  # full size, but a partial sum until all-reduced
+    parameter: str | None = None  # the split parameter this is (or a view, copy or cast of)
+    matrix: bool = False  # the parameter is a 2-D weight
+
+    @property
+    def fraction(self) -> Fraction:
+        return Fraction(self.local, self.length)
+
+    @property
+    def sliced(self) -> bool:
+        return self.local < self.length
+
+    def slice(self) -> _Share:
+        """The same split, as an activation."""
+        return _Share(self.local, self.length)
+
+
+_REPLICATED = _Share()
+
+
+def tensor_parallel(step: StepGraph, plan: TpPlan) -> StepGraph:
+    """The step of tensor-parallel rank ``plan.rank`` of ``plan.degree``."""
+    if plan.degree < 2:
+        raise ValueError("tensor parallelism needs at least 2 ranks")
+    return _TensorParallel(step, plan).build()
+
+
+class _TensorParallel:
+    def __init__(self, step: StepGraph, plan: TpPlan) -> None:
+        self.step, self.plan = step, plan
+        self.rw = Rewrite(step)
+        self.share: dict[int, _Share] = {}  # what each storage holds now, for the ops that read it
+        self.size: dict[int, _Share] = {}  # what each storage holds when made: its bytes
+        self.param_share: dict[str, _Share] = {}
+        self.param_shape: dict[str, tuple[int, ...]] = {}
+        self.module_weight: dict[str, _Share] = {}  # the split weight each module's matmuls use
+
+    def build(self) -> StepGraph:
+        self.shard_parameters()
+        for op in self.step.ops:
+            if op.phase is not Phase.OPTIMIZER:
+                self.visit(op)
+        self.shard_optimizer()
+        self.redistribute_replicated()
+        self.resize()
+        return self.rw.build()
+
+    # Parameters and what derives from them.
+
+    def shard_parameters(self) -> None:
+        for row in self.step.storages.values():
+            if row.role is not Role.PARAMETER or row.param is None:
+                continue
+            module, _, leaf = row.param.rpartition(".")
+            style = self.plan.style_of(module)
+            dim = (_WEIGHT_DIM if leaf == "weight" else _BIAS_DIM).get(style) if style else None
+            if dim is None or dim >= len(row.shape):
+                continue
+            length = row.shape[dim]
+            local = chunk_length(length, self.plan.degree, self.plan.rank)
+            self.param_share[row.param] = _Share(local, length, parameter=row.param, matrix=len(row.shape) == 2)
+            self.param_shape[row.param] = (*row.shape[:dim], local, *row.shape[dim + 1 :])
+        for row in self.step.storages.values():
+            if row.producer is not None or row.role is Role.OPTIMIZER_STATE:
+                continue
+            share = self.param_share.get(row.param or "", _REPLICATED) if row.role is Role.PARAMETER else _REPLICATED
+            self.share[row.id] = self.size[row.id] = share
+            if share.sliced:  # distribute_tensor pads a short shard to the first one's length, keeps a view
+                self.size[row.id] = _Share(chunk_length(share.length, self.plan.degree, 0), share.length)
+
+    def shard_optimizer(self) -> None:
+        """Optimizer states and temporaries of a split parameter the size of the parameter hold its slice;
+        SGD's momentum buffer starts as a copy of the gradient (``torch.clone(grad)`` in torch/optim/sgd.py),
+        so it holds what the gradient holds."""
+        gradient = {row.param: self.size[row.id] for row in self.step.storages.values() if row.role is Role.GRADIENT}
+        for row in self.step.storages.values():
+            if not (row.role is Role.OPTIMIZER_STATE or self._made_in(row, Phase.OPTIMIZER)):
+                continue
+            share = self.param_share.get(row.param or "")
+            if share is None or not self._same_size(row):
+                share = _REPLICATED
+            elif row.name.endswith(GRADIENT_SHAPED_STATE):
+                share = gradient.get(row.param, share).slice()
+            self.share[row.id] = self.size[row.id] = share.slice()
+
+    def _param_row(self, name: str) -> int:
+        if not hasattr(self, "_param_rows"):
+            self._param_rows = {
+                row.param: row.id for row in self.step.storages.values() if row.role is Role.PARAMETER and row.param
+            }
+        return self._param_rows[name]
+
+    # The walk.
+
+    def visit(self, op) -> None:
+        storages = self.step.storages
+        made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
+        style = self.plan.style_of(op.module)
+        if op.phase is Phase.BACKWARD and style == COLWISE_GATHER_OUTPUT:
+            self.split_incoming_gradients(op)
+        if not made:
+            return
+        inputs = [self.share.get(s, _REPLICATED) for s in op.inputs if s not in made]
+        parameters = [share for share in inputs if share.parameter]
+        weights = [share for share in parameters if share.matrix]
+        activations = [share for share in inputs if not share.parameter]
+        if op.target in _MATMULS and weights:
+            weight = weights[0]
+            self.module_weight.setdefault(op.module, weight)
+            out = _Share(partial=True) if any(share.sliced for share in activations) else weight.slice()
+        elif op.target == _EMBEDDING and weights:
+            out = _Share(partial=True)
+        elif op.target == _EMBEDDING_BACKWARD:  # DTensor has no vocabulary-sharded strategy for it
+            out = _REPLICATED
+        elif len(parameters) == 1 and not activations:  # a copy, cast or view of the parameter
+            out = parameters[0]
+        else:
+            out = min(inputs, key=lambda share: share.fraction, default=_REPLICATED).slice()
+        for storage_id in made:
+            self.share[storage_id] = self.size[storage_id] = out
+        if op.target == _LOG_SOFTMAX and out.sliced:
+            self.parallel_log_softmax(op, made[0])
+        elif op.target == _NLL_LOSS_BACKWARD and out.sliced:
+            self.parallel_nll_loss_backward(op, made[0])
+        for storage_id in made:
+            if out.partial:
+                self.all_reduce(op, storage_id)
+            elif style == COLWISE_GATHER_OUTPUT and op.phase is Phase.FORWARD and op.target in _MATMULS:
+                self.all_gather(op, storage_id)
+
+    # Collectives: each replaces a storage from a point on by a new one (the storage stops there).
+
+    def all_reduce(self, op, storage_id: int) -> None:
+        point = self.rw.after(op.index, "_c10d_functional.all_reduce", op.module, op.phase)
+        self._hand_over(storage_id, point, self.step.storages[storage_id].nbytes, "all-reduce output")
+        self.share[storage_id] = _REPLICATED
+
+    def all_gather(self, op, storage_id: int) -> None:
+        """``Shard -> Replicate`` of a slice: every rank sends a piece of the first rank's length, so a
+        shorter slice is padded first, and a gathered tensor longer than the original is cut back by a copy
+        (``_to_replicate_tensor``)."""
+        row, share = self.step.storages[storage_id], self.share[storage_id]
+        piece = chunk_length(share.length, self.plan.degree, 0)
+        gathered_length = piece * self.plan.degree
+
+        def nbytes(length: int) -> int:
+            return _scaled(row.nbytes, Fraction(length, share.length))
+
+        pad = self.rw.after(op.index, "tp.pad_slice", op.module, op.phase) if share.local < piece else None
+        gather = self.rw.after(op.index, "_c10d_functional.all_gather_into_tensor", op.module, op.phase)
+        cat = self.rw.after(op.index, "tp.cat_gathered", op.module, op.phase)
+        unpad = self.rw.after(op.index, "tp.unpad_gathered", op.module, op.phase)
+        done = unpad if gathered_length != share.length else cat
+        if pad is not None:
+            self.rw.add(nbytes(piece), Role.TEMPORARY, pad, done, "padded slice", row.dtype)
+        self.rw.add(nbytes(gathered_length), Role.COMMUNICATION, gather, cat, "all-gather buffer", row.dtype)
+        if done is unpad:
+            self.rw.add(nbytes(gathered_length), Role.TEMPORARY, cat, unpad, "padded gathered", row.dtype)
+        self._hand_over(storage_id, done, row.nbytes, "gathered output")
+        self.share[storage_id] = _REPLICATED
+
+    def split_incoming_gradients(self, op) -> None:
+        """A gather-output module's backward receives the full gradient and keeps its own slice."""
+        weight = self.module_weight.get(op.module)
+        if weight is None:
+            return
+        for storage_id in op.inputs:
+            row = self.step.storages[storage_id]
+            share = self.share.get(storage_id, _REPLICATED)
+            made_here = row.producer is not None and self.step.ops[row.producer].module == op.module
+            if share.sliced or share.parameter or made_here or not self._made_in(row, Phase.BACKWARD):
+                continue
+            point = self.rw.before(op.index, "tp.split_gradient", op.module, op.phase)
+            sliced = weight.slice()
+            self._hand_over(storage_id, point, self._bytes(row, sliced), "gradient slice")
+            self.share[storage_id] = sliced
+
+    def _hand_over(self, storage_id: int, point, nbytes: int, name: str) -> None:
+        row = self.step.storages[storage_id]
+        _, last = self.rw.lifetime(storage_id)
+        self.rw.add(nbytes, row.role, point, last, name, row.dtype, row.param)
+        self.rw.retime(storage_id, last=point)
+        if row.role is Role.ACTIVATION:
+            self.rw.set_role(storage_id, Role.TEMPORARY)
+
+    def redistribute_replicated(self) -> None:
+        """An optimizer op that updates a parameter's slice from a full-size storage of it (the embedding's
+        gradient, which DTensor does not split, or a momentum buffer copied from it) redistributes that to
+        the slice first, a contiguous copy per argument: twice for ``exp_avg_sq.addcmul_(grad, grad)``."""
+        for op in self.step.ops:
+            if op.phase is not Phase.OPTIMIZER:
+                continue
+            by_param: dict[str, list[StorageRow]] = {}
+            for storage_id in op.inputs:
+                row = self.step.storages[storage_id]
+                if row.param in self.param_share and self._same_size(row):
+                    by_param.setdefault(row.param, []).append(row)
+            for param, rows in by_param.items():
+                if not any(self.size[row.id].sliced for row in rows):
+                    continue
+                for row in rows:
+                    if self.size[row.id].sliced:
+                        continue
+                    nbytes = self._bytes(row, self.param_share[param].slice())
+                    for _ in range(2 if "addcmul" in op.target else 1):
+                        point = self.rw.before(op.index, "tp.redistribute", op.module, op.phase)
+                        self.rw.add(nbytes, Role.TEMPORARY, point, self._at(op.index), f"{row.name} slice", row.dtype)
+
+    # loss_parallel()
+
+    def parallel_log_softmax(self, op, output: int) -> None:
+        row = self.step.storages[output]
+        nbytes = self._bytes(row, self.share[output])
+        shifted = self.rw.before(op.index, "tp.loss_parallel.sub_max", op.module, op.phase)
+        exp = self.rw.before(op.index, "tp.loss_parallel.exp", op.module, op.phase)
+        self.rw.add(nbytes, Role.TEMPORARY, shifted, self._at(op.index), "x - max(x)", row.dtype)
+        self.rw.add(nbytes, Role.TEMPORARY, exp, exp, "exp(x - max(x))", row.dtype)
+
+    def parallel_nll_loss_backward(self, op, zeros: int) -> None:
+        """The gradient of nll_loss and log_softmax together: ``(zeros_like(x) + exp(x)) * grad``."""
+        row = self.step.storages[zeros]
+        consumer = next((self.step.ops[u] for u in row.users if self.step.ops[u].target == _LOG_SOFTMAX_BACKWARD), None)
+        if consumer is None:
+            return
+        nbytes = self._bytes(row, self.share[zeros])
+        exp = self.rw.after(op.index, "tp.loss_parallel.exp", op.module, op.phase)
+        add = self.rw.after(op.index, "tp.loss_parallel.add", op.module, op.phase)
+        mul = self.rw.after(op.index, "tp.loss_parallel.mul", op.module, op.phase)
+        self.rw.add(nbytes, Role.TEMPORARY, exp, add, "exp(log_softmax)", row.dtype)
+        self.rw.add(nbytes, Role.TEMPORARY, add, mul, "zeros + exp", row.dtype)
+        self.rw.retime(zeros, last=mul)
+        for gradient in consumer.outputs:
+            if self.step.storages[gradient].producer == consumer.index:
+                self.rw.retime(gradient, first=mul)
+
+    # Sizes.
+
+    def resize(self) -> None:
+        for storage_id, share in self.size.items():
+            if share.fraction == 1:
+                continue
+            row = self.step.storages[storage_id]
+            shape = self.param_shape.get(row.param) if row.param and self._same_size(row) else None
+            self.rw.resize(storage_id, self._bytes(row, share), shape=shape)
+
+    def _same_size(self, row: StorageRow) -> bool:
+        """Whether the storage is as large as its parameter (not, say, a 0-dim step counter)."""
+        return _numel(row.shape) == _numel(self.step.storages[self._param_row(row.param)].shape)
+
+    def _bytes(self, row: StorageRow, share: _Share) -> int:
+        return _scaled(row.nbytes, share.fraction)
+
+    def _made_in(self, row: StorageRow, phase: Phase) -> bool:
+        return row.producer is not None and self.step.ops[row.producer].phase is phase
+
+    def _at(self, index: int) -> Point:
+        return Point(index, 0)
+
+
+def _scaled(nbytes: int, fraction: Fraction) -> int:
+    return nbytes * fraction.numerator // fraction.denominator
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result

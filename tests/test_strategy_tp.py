@@ -1,0 +1,103 @@
+"""Tensor parallelism as a transform of the single-GPU trace, against DTensor's ``parallelize_module`` run for
+one rank of T."""
+
+from __future__ import annotations
+
+import pytest
+from runtimes import tensor_parallel_peak
+from tiny_models import tiny_model
+
+from analysis.peak import find_peak, timeline
+from strategies.apply import Rank, apply, traced_setup
+from strategies.layout import Layout
+from strategies.tensor_parallel import megatron_plan, tensor_parallel
+from tracer.graph import build_graph
+from tracer.tracing import trace_step
+from tracer.training import Target, TrainingSetup
+
+TOLERANCE = 0.01
+# Heads and kv heads that 2 and 4 divide, leaving each rank at least two (with one, some layout copies vanish).
+SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
+
+
+def _estimate(model, setup: TrainingSetup, degree: int, rank: int, gathered: bool) -> int:
+    step = build_graph(trace_step(model, setup))
+    tp = tensor_parallel(step, megatron_plan(step.structure, degree, rank, gathered))
+    return find_peak(timeline(tp, rounded=False)).bytes
+
+
+def _check(family: str, degree: int, rank: int = 0, gathered: bool = False, shape=None, **overrides) -> None:
+    """Tensor parallelism alone: the estimate of rank ``rank`` of ``degree`` against the runtime's."""
+    model = tiny_model(family, **(SPLITTABLE | overrides))
+    setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | (shape or {})))
+    runtime = tensor_parallel_peak(model, setup, degree, rank, gathered)
+    estimate = _estimate(model, setup, degree, rank, gathered)
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gpt_neox"])
+def test_tensor_parallel_matches_the_runtime(family, degree, gathered):
+    _check(family, degree, gathered=gathered)
+
+
+def _estimate_2d(model, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
+    traced, _ = traced_setup(setup, layout)
+    step = apply(build_graph(trace_step(model, traced)), layout, setup, rank)
+    return find_peak(timeline(step, rounded=False)).bytes
+
+
+def _check_2d(family: str, tp: int, dp: int, rank: Rank, zero: int = 3, gathered: bool = False, **overrides) -> None:
+    """FSDP2 over the data-parallel dimension of a (dp, tp) mesh, through the layout the CLI uses."""
+    model = tiny_model(family, **(SPLITTABLE | overrides))
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32)
+    layout = Layout(gpus=tp * dp, tp=tp, zero=zero, tp_output="gathered" if gathered else "parallel")
+    runtime = tensor_parallel_peak(
+        model, setup, tp, rank.tp, gathered, data_parallel=dp, data_rank=rank.dp, reshard_after_forward=zero == 3
+    )
+    estimate = _estimate_2d(model, setup, layout, rank)
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+@pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
+def test_last_rank_of_an_uneven_vocabulary(gathered):
+    """250 rows over 4 ranks: 63, 63, 63, 61. The short shard is padded to gather, and kept padded."""
+    _check("llama", 4, rank=3, gathered=gathered, vocab_size=250)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"mixed_precision": "bf16"},
+        {"attn": "eager"},
+        {"optimizer": "sgd"},  # the momentum buffer copies the full embedding gradient
+        {"batch_size": 1, "seq_len": 4},  # the peak is in the optimizer step
+        {"batch_size": 1, "seq_len": 4, "optimizer": "sgd"},
+    ],
+    ids=lambda shape: "-".join(f"{key}={value}" for key, value in shape.items()),
+)
+def test_tensor_parallel_setups(shape):
+    _check("llama", 2, shape=shape)
+
+
+def test_grouped_query_attention():
+    _check("qwen2", 4, num_key_value_heads=4)
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "dp", "rank", "zero", "gathered"),
+    [
+        ("llama", 2, 2, Rank(0, 0), 3, False),
+        ("llama", 2, 4, Rank(3, 1), 3, True),
+        ("qwen2", 2, 2, Rank(1, 1), 2, True),
+        ("gemma2", 2, 2, Rank(1, 1), 3, True),
+        ("gpt_neox", 4, 2, Rank(1, 3), 3, False),
+    ],
+)
+def test_fsdp_times_tensor_parallel_matches_the_runtime(family, tp, dp, rank, zero, gathered):
+    _check_2d(family, tp, dp, rank, zero, gathered)
+
+
+def test_fsdp_times_tensor_parallel_with_an_uneven_vocabulary():
+    _check_2d("llama", 4, 2, Rank(1, 3), gathered=True, vocab_size=250)
