@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from transformers import PretrainedConfig
+
 from strategies.ddp import ddp
 from strategies.fsdp import FsdpPlan, fsdp
 from strategies.layout import Layout
 from strategies.tensor_parallel import megatron_plan, tensor_parallel
+from tracer.errors import UserError
 from tracer.graph import StepGraph
 from tracer.training import TrainingSetup
 
@@ -22,6 +25,16 @@ class Rank:
 
     def global_rank(self, layout: Layout) -> int:
         return self.dp * layout.tp + self.tp
+
+
+def check_layout(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> None:
+    """Refuse, before any tracing, a layout this model or step cannot be split into."""
+    layout.check_model(config)
+    if layout.sequence_parallel and setup.seq_len % layout.tp:
+        raise UserError(
+            f"--sequence-parallel splits the sequence over the {layout.tp} tensor-parallel GPUs: --seq-len "
+            f"{setup.seq_len} must be a multiple of --tp {layout.tp}."
+        )
 
 
 def traced_setup(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, str | None]:
@@ -51,7 +64,8 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
         )
         notes["tensor_parallel"] = (
             "PyTorch DTensor parallelize_module: the model's transformers TP plan for the decoder layers "
-            f"(colwise/rowwise), vocabulary-parallel embedding; {loss}"
+            f"(colwise/rowwise), vocabulary-parallel embedding (DTensor computes its gradient at full size); {loss}"
+            + ("; sequence parallel as torchtitan lays it out" if layout.sequence_parallel else "")
         )
     if layout.dp > 1 and layout.zero == 0 and layout.engine == "fsdp":
         notes["data_parallel"] = (
@@ -77,7 +91,9 @@ def ranks(layout: Layout) -> list[Rank]:
 def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> StepGraph:
     """The step of ``rank``: the traced step transformed by the layout, tensor parallelism first."""
     if layout.tp > 1:
-        plan = megatron_plan(step.structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
+        sequence = setup.seq_len if layout.sequence_parallel else None
+        gathered = layout.tp_output == "gathered"
+        plan = megatron_plan(step.structure, layout.tp, rank.tp, gathered, sequence_length=sequence)
         step = tensor_parallel(step, plan)
     if layout.dp == 1:
         return step

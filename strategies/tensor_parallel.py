@@ -38,7 +38,7 @@ from strategies.sharding import chunk_length
 from tracer.errors import UserError
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
-from tracer.trace import ModelStructure
+from tracer.trace import ModelStructure, Op
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -64,17 +64,24 @@ class TpPlan:
     degree: int
     rank: int = 0
     styles: Mapping[str, str] = field(default_factory=dict)  # module path pattern ("*" = a layer index) -> style
+    sequence_length: int | None = None  # set for sequence parallelism: the length the sequence slices split
+    output_embedding: str | None = None  # gathers its own input under sequence parallelism
 
     def style_of(self, module: str) -> str | None:
         for pattern, style in self.styles.items():
-            if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), module):
+            if re.fullmatch(_regex(pattern), module):
                 return style
         return None
 
 
-def megatron_plan(structure: ModelStructure, degree: int, rank: int, gathered_output: bool) -> TpPlan:
+def megatron_plan(
+    structure: ModelStructure, degree: int, rank: int, gathered_output: bool, sequence_length: int | None = None
+) -> TpPlan:
     """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
-    embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered."""
+    embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With a
+    ``sequence_length``, sequence parallelism as torchtitan lays it out: the embedding and the row-wise layers
+    reduce-scatter into sequence slices, norms and residuals run on them (``SequenceParallel``), and the
+    attention, the MLP (``PrepareModuleInput``) and the lm_head all-gather their input."""
     if not structure.blocks:
         raise UserError(f"--tp: no repeated decoder layers were found in {structure.model_class}.")
     layers = structure.blocks[0].rpartition(".")[0] + ".*."
@@ -94,7 +101,7 @@ def megatron_plan(structure: ModelStructure, degree: int, rank: int, gathered_ou
     styles[structure.input_embedding] = EMBEDDING_ROWWISE
     if structure.output_embedding:
         styles[structure.output_embedding] = COLWISE_GATHER_OUTPUT if gathered_output else COLWISE
-    return TpPlan(degree, rank, styles)
+    return TpPlan(degree, rank, styles, sequence_length, structure.output_embedding)
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,7 @@ class _Share:
     partial: bool = False  # full size, but a partial sum until all-reduced
     parameter: str | None = None  # the split parameter this is (or a view, copy or cast of)
     matrix: bool = False  # the parameter is a 2-D weight
+    sequence: bool = False  # split along the sequence (sequence parallelism), not the features
 
     @property
     def fraction(self) -> Fraction:
@@ -118,10 +126,25 @@ class _Share:
 
     def slice(self) -> _Share:
         """The same split, as an activation."""
-        return _Share(self.local, self.length)
+        return _Share(self.local, self.length, sequence=self.sequence)
 
 
 _REPLICATED = _Share()
+
+
+@dataclass(frozen=True)
+class _Anchor:
+    """Where to insert ops: after ``op``, or before it (credited to ``module``)."""
+
+    op: Op
+    after: bool
+    module: str | None = None
+
+    def insert(self, rw: Rewrite, target: str) -> Point:
+        module = self.module if self.module is not None else self.op.module
+        if self.after:
+            return rw.after(self.op.index, target, module, self.op.phase)
+        return rw.before(self.op.index, target, module, self.op.phase)
 
 
 def tensor_parallel(step: StepGraph, plan: TpPlan) -> StepGraph:
@@ -140,12 +163,22 @@ class _TensorParallel:
         self.param_share: dict[str, _Share] = {}
         self.param_shape: dict[str, tuple[int, ...]] = {}
         self.module_weight: dict[str, _Share] = {}  # the split weight each module's matmuls use
+        self.pending: dict[int, tuple[str, Op]] = {}  # partial sums -> module they stay partial in, its last op
+        self.gathered: dict[int, str] = {}  # gathered sequence slices -> the module that reads them whole
+        self.gathered_by: dict[str, str] = {}  # module of a layer reading a gathered input -> who gathered it
+        self.forward_end = _forward_ends(step) if plan.sequence_length else {}
+        layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
+        self.forward_gatherers = [_regex(p.rpartition(".")[0]) for p, style in layers.items() if style == COLWISE]
+        self.forward_gatherers += [_regex(plan.output_embedding)] if plan.output_embedding else []
+        self.backward_gatherers = [_regex(p) for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
 
     def build(self) -> StepGraph:
         self.shard_parameters()
-        for op in self.step.ops:
-            if op.phase is not Phase.OPTIMIZER:
-                self.visit(op)
+        walked = [op for op in self.step.ops if op.phase is not Phase.OPTIMIZER]
+        for op in walked:
+            self.visit(op)
+        for storage_id, (_, last) in list(self.pending.items()):
+            self.reduce_partial_sum(storage_id, _Anchor(last, after=True))
         self.shard_optimizer()
         self.redistribute_replicated()
         self.resize()
@@ -199,14 +232,17 @@ class _TensorParallel:
     # The walk.
 
     def visit(self, op) -> None:
-        storages = self.step.storages
-        made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
+        self.settle_partial_sums(op)
+        if self.plan.sequence_length:
+            self.gather_sequence_inputs(op)
         style = self.plan.style_of(op.module)
         if op.phase is Phase.BACKWARD and style == COLWISE_GATHER_OUTPUT:
             self.split_incoming_gradients(op)
+        storages = self.step.storages
+        made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
         if not made:
             return
-        inputs = [self.share.get(s, _REPLICATED) for s in op.inputs if s not in made]
+        inputs = [self.input_share(op, s) for s in op.inputs if s not in made]
         parameters = [share for share in inputs if share.parameter]
         weights = [share for share in parameters if share.matrix]
         activations = [share for share in inputs if not share.parameter]
@@ -220,6 +256,8 @@ class _TensorParallel:
             out = _REPLICATED
         elif len(parameters) == 1 and not activations:  # a copy, cast or view of the parameter
             out = parameters[0]
+        elif any(share.partial for share in inputs):  # scaled or accumulated, still a partial sum
+            out = _Share(partial=True)
         else:
             out = min(inputs, key=lambda share: share.fraction, default=_REPLICATED).slice()
         for storage_id in made:
@@ -230,16 +268,128 @@ class _TensorParallel:
             self.parallel_nll_loss_backward(op, made[0])
         for storage_id in made:
             if out.partial:
-                self.all_reduce(op, storage_id)
+                self.pending[storage_id] = (self.partial_scope(op), op)
             elif style == COLWISE_GATHER_OUTPUT and op.phase is Phase.FORWARD and op.target in _MATMULS:
                 self.all_gather(op, storage_id)
 
-    # Collectives: each replaces a storage from a point on by a new one (the storage stops there).
+    def input_share(self, op, storage_id: int) -> _Share:
+        """What ``op`` reads: a sequence slice gathered for a module is full inside it."""
+        scope = self.gathered.get(storage_id)
+        if scope is not None and _within(op.module, scope):
+            return _REPLICATED
+        return self.share.get(storage_id, _REPLICATED)
 
-    def all_reduce(self, op, storage_id: int) -> None:
-        point = self.rw.after(op.index, "_c10d_functional.all_reduce", op.module, op.phase)
-        self._hand_over(storage_id, point, self.step.storages[storage_id].nbytes, "all-reduce output")
-        self.share[storage_id] = _REPLICATED
+    # Partial sums: reduced when the computation leaves the module that holds them.
+
+    def partial_scope(self, op) -> str:
+        """Where a partial sum stays partial: the module that made it (its output hook reduces it, or
+        ``_FromTorchTensor.backward`` for an input gradient), or, under sequence parallelism, the module
+        that gathered that input (``PrepareModuleInput``: the gradients of q, k and v add up first)."""
+        if op.phase is Phase.BACKWARD:
+            return self.gathered_by.get(op.module, op.module)
+        return op.module
+
+    def settle_partial_sums(self, op) -> None:
+        """Reduce the partial sums ``op`` is outside the module of. In forward the collective runs in the
+        module's output hook, before leaving it frees anything: right after its last op that allocated. In
+        backward it runs in the next autograd node, after the module's nodes released what they saved."""
+        for storage_id, (scope, last) in list(self.pending.items()):
+            if _within(op.module, scope):
+                if any(self.step.storages[s].producer == op.index for s in op.outputs):
+                    self.pending[storage_id] = (scope, op)
+                continue
+            del self.pending[storage_id]
+            if last.phase is Phase.FORWARD:
+                self.reduce_partial_sum(storage_id, _Anchor(last, after=True))
+            else:
+                self.reduce_partial_sum(storage_id, _Anchor(op, after=False, module=last.module))
+
+    def reduce_partial_sum(self, storage_id: int, anchor: _Anchor) -> None:
+        row = self.step.storages[storage_id]
+        if not self.plan.sequence_length:
+            point = anchor.insert(self.rw, "_c10d_functional.all_reduce")
+            self._hand_over(storage_id, point, row.nbytes, "all-reduce output")
+            self.share[storage_id] = _REPLICATED
+            return
+        sliced = self._sequence_slice()
+        cat = anchor.insert(self.rw, "tp.cat_for_reduce_scatter")
+        scatter = anchor.insert(self.rw, "_c10d_functional.reduce_scatter_tensor")
+        self.rw.add(row.nbytes, Role.TEMPORARY, cat, scatter, "reduce-scatter input", row.dtype)
+        self._hand_over(storage_id, scatter, self._bytes(row, sliced), "reduce-scatter output")
+        self.share[storage_id] = sliced
+
+    def _sequence_slice(self) -> _Share:
+        length = self.plan.sequence_length or 1
+        return _Share(chunk_length(length, self.plan.degree, self.plan.rank), length, sequence=True)
+
+    # Sequence parallelism: slices of the sequence gathered where the tensor-parallel region needs them.
+
+    def gather_sequence_inputs(self, op) -> None:
+        """Sequence slices entering a module that needs them whole are gathered first: in forward the
+        attention and the MLP (``PrepareModuleInput``) and the lm_head; in backward the row-wise layers and
+        the embedding, whose outputs were reduce-scattered."""
+        gatherer = self._gathering_module(op)
+        if gatherer is None:
+            return
+        for storage_id in op.inputs:
+            row = self.step.storages[storage_id]
+            made_inside = row.producer is not None and _within(self.step.ops[row.producer].module, gatherer)
+            if made_inside or not self.input_share(op, storage_id).sequence:
+                continue
+            if op.phase is Phase.FORWARD:
+                self.gather_module_input(op, storage_id, gatherer)
+            else:
+                self.gather_output_gradient(op, storage_id, gatherer)
+            self.gathered[storage_id] = gatherer
+        if op.phase is Phase.FORWARD:
+            self.gathered_by[op.module] = gatherer
+
+    def gather_module_input(self, op, storage_id: int, module: str) -> None:
+        """The gathered input lives as long as the module keeps it for backward, or until the module
+        returns; the slice until the module returns, or, for the lm_head's, the end of the forward (the
+        model's output holds it)."""
+        row = self.step.storages[storage_id]
+        cat = self._all_gather_sequence(op, row)
+        _, last = self.rw.lifetime(storage_id)
+        saved = any(
+            self.step.ops[user].phase is Phase.BACKWARD and _within(self.step.ops[user].module, module)
+            for user in row.users
+        )
+        end = last if saved else Point(self.forward_end[module], 0)
+        self.rw.add(row.nbytes, row.role if saved else Role.TEMPORARY, cat, end, "gathered sequence", row.dtype)
+        keeper = "" if module == self.plan.output_embedding else module
+        self.rw.retime(storage_id, last=Point(self.forward_end[keeper], 0))
+        if row.role is Role.ACTIVATION:
+            self.rw.set_role(storage_id, Role.TEMPORARY)
+
+    def gather_output_gradient(self, op, storage_id: int, module: str) -> None:
+        """The gathered gradient lives while the module's backward reads it; the slice as before."""
+        row = self.step.storages[storage_id]
+        cat = self._all_gather_sequence(op, row)
+        inside = [user for user in row.users if user >= op.index and _within(self.step.ops[user].module, module)]
+        self.rw.add(row.nbytes, Role.TEMPORARY, cat, Point(max(inside), 0), "gathered gradient", row.dtype)
+        if all(_within(self.step.ops[user].module, module) for user in row.users if user >= op.index):
+            self.rw.retime(storage_id, last=cat)
+
+    def _all_gather_sequence(self, op, row: StorageRow) -> Point:
+        share = self.share[row.id]
+        piece = chunk_length(share.length, self.plan.degree, 0)
+        gather = self.rw.before(op.index, "_c10d_functional.all_gather_into_tensor", op.module, op.phase)
+        cat = self.rw.before(op.index, "tp.cat_gathered", op.module, op.phase)
+        buffer = _scaled(row.nbytes, Fraction(piece * self.plan.degree, share.length))
+        self.rw.add(buffer, Role.COMMUNICATION, gather, cat, "all-gather buffer", row.dtype)
+        return cat
+
+    def _gathering_module(self, op) -> str | None:
+        patterns = self.forward_gatherers if op.phase is Phase.FORWARD else self.backward_gatherers
+        parts = op.module.split(".")
+        for depth in range(len(parts), 0, -1):
+            module = ".".join(parts[:depth])
+            if any(re.fullmatch(pattern, module) for pattern in patterns):
+                return module
+        return None
+
+    # Collectives: each replaces a storage from a point on by a new one (the storage stops there).
 
     def all_gather(self, op, storage_id: int) -> None:
         """``Shard -> Replicate`` of a slice: every rank sends a piece of the first rank's length, so a
@@ -361,6 +511,28 @@ class _TensorParallel:
 
     def _at(self, index: int) -> Point:
         return Point(index, 0)
+
+
+def _regex(pattern: str) -> str:
+    """A plan's module pattern ("model.layers.*.mlp") as a regular expression ("*" is a layer index)."""
+    return re.escape(pattern).replace(r"\*", r"\d+")
+
+
+def _within(module: str, scope: str) -> bool:
+    return scope == "" or module == scope or module.startswith(scope + ".")
+
+
+def _forward_ends(step: StepGraph) -> dict[str, int]:
+    """The last forward op of every module (and of every module path prefix)."""
+    ends: dict[str, int] = {"": -1}
+    for op in step.ops:
+        if op.phase is not Phase.FORWARD:
+            continue
+        ends[""] = op.index
+        parts = op.module.split(".") if op.module else []
+        for depth in range(1, len(parts) + 1):
+            ends[".".join(parts[:depth])] = op.index
+    return ends
 
 
 def _scaled(nbytes: int, fraction: Fraction) -> int:

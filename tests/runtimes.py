@@ -17,11 +17,12 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, _redistribute, _sharding_prop
+from torch.distributed.tensor import DTensor, Replicate, Shard, _redistribute, _sharding_prop
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -74,6 +75,7 @@ def _peak_of_step(
     setup: TrainingSetup,
     parallelize: Callable[[nn.Module], None],
     context: Callable[[], AbstractContextManager] = nullcontext,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> int:
     """Build under FakeTensorMode, parallelize, run two steps, and track the third with MemTracker (or
     FSDPMemTracker when FSDP wraps the model), which counts DTensor's local tensors.
@@ -91,7 +93,7 @@ def _peak_of_step(
         torch.manual_seed(0)
         net = build_model(model.config, setup)
         parallelize(net)
-        step = TrainingStep(net, build_optimizer(net, setup, foreach=None))
+        step = TrainingStep(wrap(net) if wrap else net, build_optimizer(net, setup, foreach=None))
         if setup.autocast_dtype is not None:
             step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
         batch = make_batch(model.config, setup, "cpu")
@@ -138,18 +140,64 @@ def fsdp2_peak(
         return _peak_of_step(model, setup, parallelize)
 
 
-def _dtensor_plan(plan: TpPlan) -> dict[str, ParallelStyle]:
+def _dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
+    """The estimate's plan as DTensor styles. With sequence parallelism, as torchtitan lays it out: the
+    embedding and row-wise layers reduce-scatter into sequence slices, norms run on them, and the attention,
+    the MLP and the lm_head gather their input (the gathered input stays a DTensor, so that the input
+    gradients of q, k and v add up before one reduce-scatter)."""
+    sequence = Shard(1) if plan.sequence_length else Replicate()
     styles = {
         COLWISE: ColwiseParallel(),
-        ROWWISE: RowwiseParallel(),
-        EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate()),
-        COLWISE_GATHER_OUTPUT: ColwiseParallel(output_layouts=Replicate()),
+        ROWWISE: RowwiseParallel(output_layouts=sequence),
+        EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
+        COLWISE_GATHER_OUTPUT: ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
     }
     dtensor_plan = {pattern: styles[style] for pattern, style in plan.styles.items()}
-    for pattern, style in plan.styles.items():
-        if style == COLWISE and "*" not in pattern:  # the lm_head, feeding loss_parallel()
-            dtensor_plan[pattern] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if plan.output_embedding and plan.styles[plan.output_embedding] == COLWISE:  # feeding loss_parallel()
+        dtensor_plan[plan.output_embedding] = ColwiseParallel(
+            input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
+        )
+    if plan.sequence_length:
+        for name, module in net.named_modules():
+            if "Norm" in type(module).__name__:
+                dtensor_plan[name] = SequenceParallel(use_local_output=True)
+        for pattern, style in plan.styles.items():
+            if style == COLWISE and "*" in pattern:
+                dtensor_plan[pattern.rpartition(".")[0]] = _GatherSequence()
     return dtensor_plan
+
+
+class _GatherSequence(ParallelStyle):
+    """``PrepareModuleInput`` for the first input (``hidden_states``), however the module is called:
+    ``Shard(1)`` redistributed to ``Replicate()``, left a DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if "hidden_states" in kwargs:
+                kwargs = kwargs | {"hidden_states": self._gathered(kwargs["hidden_states"], device_mesh)}
+            else:
+                args = (self._gathered(args[0], device_mesh), *args[1:])
+            return args, kwargs
+
+        module.register_forward_pre_hook(gather, with_kwargs=True)
+        return module
+
+    @staticmethod
+    def _gathered(tensor: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(tensor, mesh, (Shard(1),), run_check=False).redistribute(placements=(Replicate(),))
+
+
+class _WithPositions(nn.Module):
+    """Passes the positions: under sequence parallelism the model sees a slice of the sequence and would
+    number its positions (and size its attention mask) from it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        return self.model(input_ids, labels=labels, position_ids=positions, cache_position=positions[0])
 
 
 def tensor_parallel_peak(
@@ -161,19 +209,21 @@ def tensor_parallel_peak(
     data_parallel: int = 1,
     data_rank: int = 0,
     reshard_after_forward: bool = True,
+    sequence_parallel: bool = False,
 ) -> int:
     """``parallelize_module`` with the Megatron plan the estimate assumes (the lm_head's output left sliced
-    for ``loss_parallel()``, or gathered), over ``degree`` ranks; with ``data_parallel`` > 1, FSDP2 over the
-    other dimension of a 2-D mesh."""
+    for ``loss_parallel()``, or gathered; optionally sequence parallel), over ``degree`` ranks; with
+    ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh."""
     world = degree * data_parallel
     with fake_process_group(world, data_rank * degree + rank):
         mesh = init_device_mesh("cpu", (data_parallel, degree), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
             structure = model_structure(build_model(model.config, setup))
-        plan = megatron_plan(structure, degree, rank, gathered_output)
+        sequence_length = setup.seq_len if sequence_parallel else None
+        plan = megatron_plan(structure, degree, rank, gathered_output, sequence_length)
 
         def parallelize(net: nn.Module) -> None:
-            parallelize_module(net, mesh["tp"], _dtensor_plan(plan))
+            parallelize_module(net, mesh["tp"], _dtensor_plan(plan, net))
             if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
                 net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:
@@ -181,7 +231,9 @@ def tensor_parallel_peak(
                     fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
                 fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
 
-        return _peak_of_step(model, setup, parallelize, nullcontext if gathered_output else loss_parallel)
+        context = nullcontext if gathered_output else loss_parallel
+        wrap = _WithPositions if sequence_parallel else None
+        return _peak_of_step(model, setup, parallelize, context, wrap)
 
 
 def ddp_peak(model: ResolvedModel, setup: TrainingSetup, world: int) -> int:

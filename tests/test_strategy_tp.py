@@ -20,18 +20,26 @@ TOLERANCE = 0.01
 SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
 
 
-def _estimate(model, setup: TrainingSetup, degree: int, rank: int, gathered: bool) -> int:
+def _estimate(model, setup: TrainingSetup, degree: int, rank: int, gathered: bool, sequence: bool = False) -> int:
     step = build_graph(trace_step(model, setup))
-    tp = tensor_parallel(step, megatron_plan(step.structure, degree, rank, gathered))
-    return find_peak(timeline(tp, rounded=False)).bytes
+    plan = megatron_plan(step.structure, degree, rank, gathered, setup.seq_len if sequence else None)
+    return find_peak(timeline(tensor_parallel(step, plan), rounded=False)).bytes
 
 
-def _check(family: str, degree: int, rank: int = 0, gathered: bool = False, shape=None, **overrides) -> None:
+def _check(
+    family: str,
+    degree: int,
+    rank: int = 0,
+    gathered: bool = False,
+    shape=None,
+    sequence: bool = False,
+    **overrides,
+) -> None:
     """Tensor parallelism alone: the estimate of rank ``rank`` of ``degree`` against the runtime's."""
     model = tiny_model(family, **(SPLITTABLE | overrides))
     setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | (shape or {})))
-    runtime = tensor_parallel_peak(model, setup, degree, rank, gathered)
-    estimate = _estimate(model, setup, degree, rank, gathered)
+    runtime = tensor_parallel_peak(model, setup, degree, rank, gathered, sequence_parallel=sequence)
+    estimate = _estimate(model, setup, degree, rank, gathered, sequence)
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
@@ -42,19 +50,55 @@ def test_tensor_parallel_matches_the_runtime(family, degree, gathered):
     _check(family, degree, gathered=gathered)
 
 
+@pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
+@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
+def test_sequence_parallel_matches_the_runtime(family, degree, gathered):
+    """torchtitan's layout: reduce-scatter into sequence slices, gather at the attention, MLP and lm_head.
+    (Gemma-2 is left out: transformers sizes its sliding-window mask from the local sequence slice.)"""
+    _check(family, degree, gathered=gathered, sequence=True)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [{"mixed_precision": "bf16"}, {"batch_size": 1, "seq_len": 4, "optimizer": "sgd"}],
+    ids=["bf16", "optimizer-peak"],
+)
+def test_sequence_parallel_setups(shape):
+    _check("llama", 2, shape=shape, sequence=True)
+
+
 def _estimate_2d(model, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
     traced, _ = traced_setup(setup, layout)
     step = apply(build_graph(trace_step(model, traced)), layout, setup, rank)
     return find_peak(timeline(step, rounded=False)).bytes
 
 
-def _check_2d(family: str, tp: int, dp: int, rank: Rank, zero: int = 3, gathered: bool = False, **overrides) -> None:
+def _check_2d(
+    family: str,
+    tp: int,
+    dp: int,
+    rank: Rank,
+    zero: int = 3,
+    gathered: bool = False,
+    sequence: bool = False,
+    **overrides,
+) -> None:
     """FSDP2 over the data-parallel dimension of a (dp, tp) mesh, through the layout the CLI uses."""
     model = tiny_model(family, **(SPLITTABLE | overrides))
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32)
-    layout = Layout(gpus=tp * dp, tp=tp, zero=zero, tp_output="gathered" if gathered else "parallel")
+    output = "gathered" if gathered else "parallel"
+    layout = Layout(gpus=tp * dp, tp=tp, zero=zero, tp_output=output, sequence_parallel=sequence)
     runtime = tensor_parallel_peak(
-        model, setup, tp, rank.tp, gathered, data_parallel=dp, data_rank=rank.dp, reshard_after_forward=zero == 3
+        model,
+        setup,
+        tp,
+        rank.tp,
+        gathered,
+        data_parallel=dp,
+        data_rank=rank.dp,
+        reshard_after_forward=zero == 3,
+        sequence_parallel=sequence,
     )
     estimate = _estimate_2d(model, setup, layout, rank)
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
@@ -101,3 +145,7 @@ def test_fsdp_times_tensor_parallel_matches_the_runtime(family, tp, dp, rank, ze
 
 def test_fsdp_times_tensor_parallel_with_an_uneven_vocabulary():
     _check_2d("llama", 4, 2, Rank(1, 3), gathered=True, vocab_size=250)
+
+
+def test_fsdp_times_sequence_parallel():
+    _check_2d("llama", 2, 2, Rank(1, 1), gathered=True, sequence=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from analysis.peak import find_peak, timeline
 from analysis.report import MemoryReport, build_report
-from strategies.apply import apply, ranks, runtime_assumptions, traced_setup
+from strategies.apply import apply, check_layout, ranks, runtime_assumptions, traced_setup
 from strategies.layout import Layout
 from tracer.graph import build_graph
 from tracer.resolve import ResolvedModel, resolve_model
@@ -23,7 +23,7 @@ def analyze(
 ) -> MemoryReport:
     """Predicted peak allocated GPU memory of one steady-state training step, on the most loaded GPU."""
     model = resolve_model(model) if isinstance(model, str) else model
-    layout.check_model(model.config)
+    check_layout(layout, setup, model.config)
     traced, recipe = traced_setup(setup, layout)
     trace = trace_step(model, traced, progress)
     if recipe:
