@@ -183,7 +183,7 @@ def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeyp
         (["--gpus", "8", "--tp", "8"], "--tp 8 must divide the 4 attention heads"),
         (["--gpus", "4", "--zero", "1"], "PyTorch has no ZeRO-1 runtime"),
         (["--gpus", "4", "--sequence-parallel"], "apply to tensor parallelism"),
-        (["--gpus", "4", "--tp", "4", "--seq-len", "30", "--sequence-parallel"], "must be a multiple of --tp 4"),
+        (["--gpus", "2", "--tp", "2", "--seq-len", "31", "--sequence-parallel"], "must be a multiple of --tp 2"),
     ],
 )
 def test_impossible_layouts(tmp_path, capsys, flags, message):
