@@ -8,6 +8,15 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from strategies.ddp import ddp
+from strategies.deepspeed import (
+    MAX_LIVE_PARAMETERS,
+    MAX_REUSE_DISTANCE,
+    PARAM_PERSISTENCE_THRESHOLD,
+    PREFETCH_BUCKET_SIZE,
+    REDUCE_BUCKET_SIZE,
+    DeepSpeedPlan,
+    deepspeed,
+)
 from strategies.fsdp import FsdpPlan, fsdp
 from strategies.layout import Layout
 from strategies.tensor_parallel import megatron_plan, tensor_parallel
@@ -44,8 +53,13 @@ def traced_setup(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, s
     weights in the shards (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``), so its step
     is the one with low-precision parameters, not autocast over fp32 ones.
     """
-    if setup.mixed_precision and layout.zero in (2, 3) and layout.engine == "fsdp":
-        low = setup.mixed_precision
+    if not setup.mixed_precision or layout.dp == 1:
+        return setup, None
+    low = setup.mixed_precision
+    if layout.engine == "deepspeed":
+        note = f"DeepSpeed {low}: the model in {low}, fp32 master weights in the ZeRO optimizer, no autocast"
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+    if layout.zero in (2, 3):
         note = f"FSDP2 MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=float32) instead of autocast"
         return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
     return setup, None
@@ -77,6 +91,18 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
             f"fully_shard on each decoder layer and on the root, reshard_after_forward={layout.zero == 3}, "
             "one unit prefetched in backward, one reduce-scatter input held"
         )
+    if layout.dp > 1 and layout.engine == "deepspeed":
+        notes["data_parallel"] = (
+            f"DeepSpeed ZeRO-{layout.zero} defaults: reduce_bucket_size {REDUCE_BUCKET_SIZE:.0e}"
+            + (
+                f", stage3_prefetch_bucket_size {PREFETCH_BUCKET_SIZE:.0e}, stage3_max_live_parameters "
+                f"{MAX_LIVE_PARAMETERS:.0e}, stage3_max_reuse_distance {MAX_REUSE_DISTANCE:.0e}, "
+                f"stage3_param_persistence_threshold {PARAM_PERSISTENCE_THRESHOLD:.0e}"
+                if layout.zero == 3
+                else ""
+            )
+            + "; fp32 master weights and optimizer states of the rank's partition"
+        )
     return notes
 
 
@@ -98,7 +124,7 @@ def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> 
     if layout.dp == 1:
         return step
     if layout.engine == "deepspeed":
-        raise NotImplementedError("DeepSpeed")
+        return deepspeed(step, DeepSpeedPlan(stage=layout.zero, world=layout.dp, rank=rank.dp))
     if layout.zero == 0:
         return ddp(step)
     plan = FsdpPlan(

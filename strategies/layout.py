@@ -52,6 +52,11 @@ class Layout:
                 "PyTorch has no ZeRO-1 runtime: FSDP2 shards gradients too. Use --zero 2 or 3, or "
                 "--engine deepspeed --zero 1."
             )
+        if self.engine == "deepspeed" and self.zero == 0 and self.dp > 1:
+            raise UserError(
+                "DeepSpeed without ZeRO is not modelled: use --engine deepspeed --zero 1, 2 or 3, or plain "
+                "PyTorch DDP with --engine fsdp --zero 0."
+            )
         if self.tp == 1 and (self.sequence_parallel or self.tp_output != "parallel"):
             raise UserError("--sequence-parallel and --tp-output apply to tensor parallelism: add --tp 2 or more.")
 

@@ -182,6 +182,7 @@ def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeyp
         (["--gpus", "2", "--tp", "2", "--zero", "2"], "--zero 2 shards over the data-parallel group"),
         (["--gpus", "8", "--tp", "8"], "--tp 8 must divide the 4 attention heads"),
         (["--gpus", "4", "--zero", "1"], "PyTorch has no ZeRO-1 runtime"),
+        (["--gpus", "4", "--engine", "deepspeed"], "DeepSpeed without ZeRO is not modelled"),
         (["--gpus", "4", "--sequence-parallel"], "apply to tensor parallelism"),
         (["--gpus", "2", "--tp", "2", "--seq-len", "31", "--sequence-parallel"], "must be a multiple of --tp 2"),
     ],
@@ -224,3 +225,14 @@ def test_tensor_parallel_report(tmp_path, capsys):
     code, out, _ = _run(capsys, "analyze", config, "--seq-len", "32", "--gpus", "4", "--tp", "2", "--zero", "3")
     assert code == 0
     assert "4 GPUs: tensor parallel 2 x FSDP2 over 2" in out and "tensor_parallel" in out
+
+
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
+def test_deepspeed_report(tmp_path, capsys, stage):
+    config = str(_config_file(tmp_path))
+    flags = ["--gpus", "4", "--engine", "deepspeed", "--zero", stage, "--mixed-precision", "bf16", "--json"]
+    code, out, _ = _run(capsys, "analyze", config, "--seq-len", "32", *flags)
+    assert code == 0
+    report = json.loads(out)
+    assert f"DeepSpeed ZeRO-{stage}" in report["setup"]["data_parallel"]
+    assert "fp32 master weights" in report["setup"]["mixed_precision_recipe"]

@@ -1,0 +1,255 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 (DeepSpeed 0.19, deepspeed/runtime/zero), for one data-parallel rank,
+with the engine's default configuration.
+
+What every stage keeps (``DeepSpeedZeroOptimizer`` in stage_1_and_2.py, ``DeepSpeedZeroOptimizer_Stage3``
+in stage3.py): an fp32 copy of the rank's partition of the parameters (the master weights, made even when
+training in fp32) and the optimizer's states of that partition only, in place of per-parameter states.
+The optimizer steps on the partition: its gradient is made fp32 for the step, and the temporaries of the
+update are partition-sized.
+
+* Stage 1: gradients are computed in full as on one GPU; after backward they are reduced through the
+  gradient bucket and each rank keeps its partition (``reduce_gradients``).
+* Stage 2: each gradient is copied into the bucket as soon as it is ready and freed
+  (``reduce_independent_p_g_buckets_and_remove_grads``); when the bucket fills it is reduced and the rank
+  keeps its partition (``grads_in_partition``).
+* Stage 3: parameters are partitioned too, per parameter; a module's are all-gathered before it runs
+  and released after, unless they will be used again soon (``max_reuse_distance``), with the next modules
+  prefetched (``prefetch_bucket_size``); parameters of at most ``param_persistence_threshold`` elements stay
+  whole. Gradients go through the bucket into an fp32 partition buffer kept for the whole step
+  (``grad_partitions_flat_buffer``).
+
+The gradient bucket (``ipg_buckets``) has ``reduce_bucket_size`` elements of the training dtype whatever
+the model's size; stages 1 and 2 allocate it when backward starts and free it after the step (a second one
+with ``overlap_comm``, which is off for them by default: ``DeepSpeedZeroConfig.overlap_comm_valid``), stage 3
+keeps one from initialization.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from strategies.rewrite import Point, Rewrite, unit_windows
+from tracer.graph import StepGraph, StorageRow
+from tracer.roles import Phase, Role
+from tracer.trace import element_size
+
+# Defaults of DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py), in elements.
+REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size
+PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
+PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
+MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
+MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
+# Flat groups are padded to a multiple of 2 x world elements (nccl_start_alignment_factor in stage_1_and_2.py).
+ALIGNMENT_FACTOR = 2
+FLOAT32_BYTES = element_size("float32")
+
+
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    stage: int  # 1, 2 or 3
+    world: int  # size of the data-parallel group
+    rank: int = 0
+
+
+def deepspeed(step: StepGraph, plan: DeepSpeedPlan) -> StepGraph:
+    """The step of rank ``plan.rank`` under DeepSpeed ZeRO ``plan.stage``."""
+    if plan.stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage {plan.stage} is not one of 1, 2, 3")
+    if plan.world < 2:
+        raise ValueError("ZeRO needs a data-parallel group of at least 2 ranks")
+    return _DeepSpeed(step, plan).build()
+
+
+def partition_numel(numel: int, world: int) -> int:
+    """Elements of one rank's partition of a flat group of ``numel`` (stages 1 and 2)."""
+    aligned = -(-numel // (ALIGNMENT_FACTOR * world)) * ALIGNMENT_FACTOR * world
+    return aligned // world
+
+
+def parameter_partition_numel(numel: int, world: int) -> int:
+    """Elements of one rank's partition of one parameter (stage 3: ``ds_tensor``, padded to equal parts)."""
+    return -(-numel // world)
+
+
+class _DeepSpeed:
+    def __init__(self, step: StepGraph, plan: DeepSpeedPlan) -> None:
+        self.step, self.plan = step, plan
+        self.rw = Rewrite(step)
+        self.params = {
+            row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param is not None
+        }
+        self.numel = {name: _numel(row.shape) for name, row in self.params.items()}
+        self.dtype = next(iter(self.params.values())).dtype
+        self.bytes = element_size(self.dtype)
+        self.gradients = [row for row in step.storages.values() if row.role is Role.GRADIENT]
+        self.backward = _span(step, Phase.BACKWARD)
+        self.optimizer = _span(step, Phase.OPTIMIZER)
+        self.total = sum(self.numel.values())
+        if plan.stage == 3:
+            self.partition = sum(parameter_partition_numel(numel, plan.world) for numel in self.numel.values())
+        else:
+            self.partition = partition_numel(self.total, plan.world)
+
+    def build(self) -> StepGraph:
+        self.partition_optimizer()
+        if self.plan.stage == 3:
+            self.partition_parameters()
+        self.gradient_buckets()
+        return self.rw.build()
+
+    # The optimizer on the fp32 partition.
+
+    def partition_optimizer(self) -> None:
+        first, last = self.optimizer
+        states: dict[str, int] = defaultdict(int)
+        for row in self.step.storages.values():
+            if row.param not in self.params or not self._param_sized(row):
+                continue
+            if row.role is Role.OPTIMIZER_STATE:
+                states[row.name.rpartition(".")[2]] += 1
+                self.rw.resize(row.id, 0)
+            elif _made_in(self.step, row, Phase.OPTIMIZER):  # update temporaries, now of the fp32 partition
+                element = row.nbytes // self.numel[row.param] * FLOAT32_BYTES // self.bytes
+                self.rw.resize(row.id, self.numel[row.param] * self.partition // self.total * element)
+        part32 = self.partition * FLOAT32_BYTES
+        self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, "fp32 master partition", "float32")
+        for kind in states:
+            self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, f"{kind} of the partition", "float32")
+        if self.plan.stage == 3:  # the fp32 gradient partitions are kept all along (gradient_buckets)
+            return
+        flat = self.rw.before(first, "deepspeed.flatten_gradient_partition", "", Phase.OPTIMIZER)
+        cast = self.rw.before(first, "deepspeed.gradient_partition_to_fp32", "", Phase.OPTIMIZER)
+        self.rw.add(self.partition * self.bytes, Role.TEMPORARY, flat, cast, "flat gradient partition", self.dtype)
+        self.rw.add(part32, Role.GRADIENT, cast, Point(last, 0), "fp32 gradient partition", "float32")
+
+    # Gradients: through the bucket into the rank's partition.
+
+    def gradient_buckets(self) -> None:
+        stage, (backward_first, backward_last) = self.plan.stage, self.backward
+        bucket, step_end = REDUCE_BUCKET_SIZE * self.bytes, Point(self.optimizer[1], 0)
+        if stage == 3:
+            self.rw.add(bucket, Role.COMMUNICATION, None, None, "gradient bucket", self.dtype)
+            part = self.partition * FLOAT32_BYTES
+            self.rw.add(part, Role.GRADIENT, None, None, "fp32 gradient partitions", "float32")
+        else:
+            self.rw.add(bucket, Role.COMMUNICATION, Point(backward_first, 0), step_end, "gradient bucket", self.dtype)
+        if stage == 1:  # full gradients until backward ends, then reduced through the bucket
+            reduced = self.rw.after(backward_last, "deepspeed.reduce_gradients", "", Phase.BACKWARD)
+            for row in self.gradients:
+                self.rw.retime(row.id, last=reduced)
+        else:  # each gradient copied into the bucket and freed as soon as it is ready
+            for row in sorted(self.gradients, key=lambda row: row.producer or 0):
+                point = self.rw.after(row.producer, "deepspeed.copy_into_bucket", row.module, Phase.BACKWARD)
+                self.rw.retime(row.id, last=point)
+            reduced = self.rw.after(self._first_bucket_reduce(), "deepspeed.reduce_bucket", "", Phase.BACKWARD)
+        if stage != 3:
+            part = self.partition * self.bytes
+            self.rw.add(part, Role.GRADIENT, reduced, step_end, "gradient partition", self.dtype)
+
+    def _first_bucket_reduce(self) -> int:
+        """The op after which the bucket first fills, or the end of backward."""
+        filled = 0
+        for row in sorted(self.gradients, key=lambda row: row.producer or 0):
+            filled += self.numel.get(row.param, 0)
+            if filled > REDUCE_BUCKET_SIZE:
+                return row.producer
+        return self.backward[1]
+
+    # Stage 3: parameters.
+
+    def partition_parameters(self) -> None:
+        for name in self._partitioned():
+            row = self.params[name]
+            self.rw.resize(row.id, parameter_partition_numel(self.numel[name], self.plan.world) * self.bytes)
+        units = self._units()
+        windows = unit_windows(self.step, {module: (module,) for module in units})
+        order = {
+            phase: sorted((m for m in units if phase in windows.get(m, {})), key=lambda m: windows[m][phase][0])
+            for phase in (Phase.FORWARD, Phase.BACKWARD)
+        }
+        kept = self._kept_after_forward(order, windows, units)
+        gathered: dict[str, int] = {}
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            sequence = order[phase]
+            for position, module in enumerate(sequence):
+                first, last = windows[module][phase]
+                if module not in gathered:
+                    point = self.rw.before(first, "deepspeed.all_gather", module, phase)
+                    gathered[module] = self._gather(units[module], point, module)
+                self._prefetch(sequence[position + 1 :], units, gathered, first, phase)
+                if phase is Phase.FORWARD and module in kept:
+                    continue
+                self.rw.retime(gathered.pop(module), last=self.rw.after(last, "deepspeed.release", module, phase))
+
+    def _units(self) -> dict[str, list[str]]:
+        """Modules and the partitioned parameters they fetch: their own, and for a tied lm_head the
+        embedding's (it is the lm_head's parameter too)."""
+        units: dict[str, list[str]] = defaultdict(list)
+        for name in self._partitioned():
+            units[name.rpartition(".")[0]].append(name)
+        structure = self.step.structure
+        if structure.output_embedding and structure.output_embedding not in units:
+            units[structure.output_embedding] = list(units.get(structure.input_embedding, []))
+        return dict(units)
+
+    def _gather(self, names: list[str], point: Point, module: str) -> int:
+        size = sum(self.numel[name] for name in names) * self.bytes
+        return self.rw.add(size, Role.PARAMETER, point, None, f"{module} (gathered)", self.dtype)
+
+    def _prefetch(
+        self, upcoming: list[str], units: dict[str, list[str]], gathered: dict[str, int], first: int, phase: Phase
+    ) -> None:
+        """Gather the next modules while this one runs, until ``prefetch_bucket_size`` elements are in
+        flight or ``max_live_parameters`` are gathered (``fetch_sub_module``)."""
+        live = sum(self._unit_numel(units[m]) for m in gathered)
+        budget = min(MAX_LIVE_PARAMETERS - live, PREFETCH_BUCKET_SIZE)
+        fetched = 0
+        for module in upcoming:
+            if fetched >= budget:
+                break
+            if module in gathered:
+                continue
+            point = self.rw.before(first, "deepspeed.prefetch", module, phase)
+            gathered[module] = self._gather(units[module], point, module)
+            fetched += self._unit_numel(units[module])
+
+    def _kept_after_forward(self, order, windows, units: dict[str, list[str]]) -> set[str]:
+        """Modules whose parameters are not released after forward: those used again before
+        ``max_reuse_distance`` elements of other modules' parameters are fetched (``__params_to_release``)."""
+        uses = sorted((windows[m][phase][0], m) for phase in (Phase.FORWARD, Phase.BACKWARD) for m in order[phase])
+        kept = set()
+        for module in order[Phase.FORWARD]:
+            if Phase.BACKWARD not in windows[module]:
+                continue
+            start, end = windows[module][Phase.FORWARD][1], windows[module][Phase.BACKWARD][0]
+            between = sum(self._unit_numel(units[m]) for index, m in uses if start < index < end and m != module)
+            if between < MAX_REUSE_DISTANCE:
+                kept.add(module)
+        return kept
+
+    def _unit_numel(self, names: list[str]) -> int:
+        return sum(self.numel[name] for name in names)
+
+    def _partitioned(self) -> list[str]:
+        """Parameters stage 3 partitions: all but those of at most ``param_persistence_threshold`` elements."""
+        return [name for name, numel in self.numel.items() if numel > PARAM_PERSISTENCE_THRESHOLD]
+
+    def _param_sized(self, row: StorageRow) -> bool:
+        return _numel(row.shape) == self.numel[row.param]
+
+
+def _span(step: StepGraph, phase: Phase) -> tuple[int, int]:
+    indices = [op.index for op in step.ops if op.phase is phase]
+    return indices[0], indices[-1]
+
+
+def _made_in(step: StepGraph, row: StorageRow, phase: Phase) -> bool:
+    return row.producer is not None and step.ops[row.producer].phase is phase
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result
