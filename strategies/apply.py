@@ -20,6 +20,7 @@ from strategies.deepspeed import (
 from strategies.fsdp import FsdpPlan, fsdp
 from strategies.layout import Layout
 from strategies.tensor_parallel import megatron_plan, tensor_parallel
+from strategies.zero_redundancy import parameter_sizes, partition, zero_redundancy
 from tracer.errors import UserError
 from tracer.graph import StepGraph
 from tracer.training import TrainingSetup
@@ -86,6 +87,11 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
             "DistributedDataParallel defaults: gradient buckets of 25 MiB (the first 1 MiB) kept for the "
             "module's life, gradient_as_bucket_view=False"
         )
+    if layout.dp > 1 and layout.zero == 1 and layout.engine == "fsdp":
+        notes["data_parallel"] = (
+            "DistributedDataParallel defaults with torch.distributed.optim.ZeroRedundancyOptimizer: each rank "
+            "keeps the optimizer states of the whole parameters assigned to it, largest first"
+        )
     if layout.dp > 1 and layout.zero in (2, 3) and layout.engine == "fsdp":
         notes["data_parallel"] = (
             f"fully_shard on each decoder layer and on the root, reshard_after_forward={layout.zero == 3}, "
@@ -106,11 +112,19 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
     return notes
 
 
-def ranks(layout: Layout) -> list[Rank]:
+def ranks(layout: Layout, step: StepGraph) -> list[Rank]:
     """Ranks whose memory can differ: the last tensor-parallel rank may hold a shorter slice of the
-    vocabulary, and sharding pads the last data-parallel rank's shards."""
+    vocabulary; sharding pads the last data-parallel rank's shards; PyTorch's ZeRO-1 gives each rank whole
+    parameters, so the rank given the most elements."""
     tensor = [0, layout.tp - 1] if layout.tp > 1 else [0]
-    data = [0, layout.dp - 1] if layout.zero and layout.dp > 1 else [0]
+    data = [0]
+    if layout.zero == 1 and layout.engine == "fsdp":
+        sizes = parameter_sizes(step)
+        numel = dict(sizes)
+        loads = [sum(numel[name] for name in names) for names in partition(sizes, layout.dp)]
+        data = sorted({0, loads.index(max(loads))})
+    elif layout.zero and layout.dp > 1:
+        data = [0, layout.dp - 1]
     return [Rank(dp=d, tp=t) for d in data for t in tensor]
 
 
@@ -127,6 +141,8 @@ def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> 
         return deepspeed(step, DeepSpeedPlan(stage=layout.zero, world=layout.dp, rank=rank.dp))
     if layout.zero == 0:
         return ddp(step)
+    if layout.zero == 1:
+        return zero_redundancy(ddp(step), layout.dp, rank.dp)
     plan = FsdpPlan(
         world=layout.dp,
         rank=rank.dp,

@@ -19,8 +19,8 @@ ZERO_STAGES = (0, 1, 2, 3)
 @dataclass(frozen=True)
 class Layout:
     """``gpus`` = ``tp`` x data-parallel degree. ``zero`` is the ZeRO stage over the data-parallel group (0 is
-    plain DDP). ``engine`` picks whose runtime is modelled: PyTorch (FSDP2 for stages 2 and 3, DDP for 0)
-    or DeepSpeed."""
+    plain DDP). ``engine`` picks whose runtime is modelled: PyTorch (DDP for 0, DDP with
+    ZeroRedundancyOptimizer for 1, FSDP2 for 2 and 3) or DeepSpeed."""
 
     gpus: int = 1
     tp: int = 1
@@ -46,11 +46,6 @@ class Layout:
             raise UserError(
                 f"--zero {self.zero} shards over the data-parallel group, which is a single GPU with --gpus "
                 f"{self.gpus} --tp {self.tp}. Use more GPUs or --zero 0."
-            )
-        if self.engine == "fsdp" and self.zero == 1:
-            raise UserError(
-                "PyTorch has no ZeRO-1 runtime: FSDP2 shards gradients too. Use --zero 2 or 3, or "
-                "--engine deepspeed --zero 1."
             )
         if self.engine == "deepspeed" and self.zero == 0 and self.dp > 1:
             raise UserError(
@@ -107,6 +102,8 @@ class Layout:
     def data_parallel_name(self) -> str:
         if self.zero == 0:
             return "DDP" if self.engine == "fsdp" else "DeepSpeed data parallel"
+        if self.engine == "fsdp" and self.zero == 1:
+            return "DDP with ZeroRedundancyOptimizer"
         if self.engine == "fsdp":
             return "FSDP2" if self.zero == 3 else "FSDP2 (reshard_after_forward=False)"
         return f"DeepSpeed ZeRO-{self.zero}"

@@ -17,6 +17,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate, Shard, _redistribute, _sharding_prop
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -45,7 +46,7 @@ from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Role
-from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
+from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
 from tracer.training import TrainingSetup
 
 
@@ -236,11 +237,14 @@ def tensor_parallel_peak(
         return _peak_of_step(model, setup, parallelize, context, wrap)
 
 
-def ddp_peak(model: ResolvedModel, setup: TrainingSetup, world: int) -> int:
+def ddp_peak(
+    model: ResolvedModel, setup: TrainingSetup, world: int, rank: int = 0, zero_redundancy: bool = False
+) -> int:
     """``DistributedDataParallel`` with its defaults, on real CPU tensors (its reducer is C++ and does not run
-    on fake ones). A pass-through communication hook hands back each bucket's flat buffer, which the
-    recorder counts from before the step as the reducer keeps it for the module's life."""
-    with fake_process_group(world, 0):
+    on fake ones); with ``zero_redundancy``, its optimizer wrapped in ``ZeroRedundancyOptimizer`` (ZeRO-1).
+    A pass-through communication hook hands back each bucket's flat buffer, which the recorder counts from
+    before the step as the reducer keeps it for the module's life."""
+    with fake_process_group(world, rank):
         torch.manual_seed(0)
         net = build_model(model.config, setup)
         ddp = DistributedDataParallel(net)
@@ -253,12 +257,22 @@ def ddp_peak(model: ResolvedModel, setup: TrainingSetup, world: int) -> int:
             return future
 
         ddp.register_comm_hook(None, keep_bucket)
-        step = TrainingStep(ddp, build_optimizer(net, setup, foreach=None))
+        if zero_redundancy:
+            optimizer_class, arguments = optimizer_recipe(setup)
+            trainable = [p for p in net.parameters() if p.requires_grad]
+            optimizer = ZeroRedundancyOptimizer(trainable, optimizer_class, **arguments)
+        else:
+            optimizer = build_optimizer(net, setup, foreach=None)
+        step = TrainingStep(ddp, optimizer)
         batch = make_batch(model.config, setup, "cpu")
         step.run(batch)
         step.run(batch)  # the reducer rebuilds its buckets in gradient-ready order after the first step
         recorder = StepRecorder(ModuleScope(net), device_type="cpu")
         register_baseline(recorder, step, batch, step_counters_on_host=False)
+        if zero_redundancy:  # the states live in the rank's local optimizer
+            for states in optimizer.optim.state.values():
+                for name, value in states.items():
+                    recorder.track_existing(value, Role.OPTIMIZER_STATE, name)
         for index, buffer in buckets.items():
             recorder.track_existing(buffer, Role.COMMUNICATION, f"bucket {index}")
         with recorder.recording():

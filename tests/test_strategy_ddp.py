@@ -1,13 +1,17 @@
-"""DDP as a transform of the single-GPU trace, against DDP itself run for one rank of N."""
+"""DDP, and DDP with ZeroRedundancyOptimizer (PyTorch's ZeRO-1), as transforms of the single-GPU trace, against
+the runtimes themselves run for one rank of N."""
 
 from __future__ import annotations
 
 import pytest
-from runtimes import ddp_peak
+import torch
+from runtimes import ddp_peak, fake_process_group
 from tiny_models import tiny_model
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from analysis.peak import find_peak, timeline
 from strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES, bucket_sizes, ddp
+from strategies.zero_redundancy import partition, zero_redundancy
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import Target, TrainingSetup
@@ -27,6 +31,30 @@ def test_ddp_matches_the_runtime(family):
     runtime = ddp_peak(model, setup, world=4)
     estimate = find_peak(timeline(ddp(build_graph(trace_step(model, setup))), rounded=False)).bytes
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_zero_redundancy_optimizer_matches_the_runtime(family, rank):
+    """ZeRO-1 in PyTorch: each rank keeps the optimizer states of the whole parameters assigned to it."""
+    model = tiny_model(family, **WIDE)
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32)
+    runtime = ddp_peak(model, setup, world=4, rank=rank, zero_redundancy=True)
+    step = zero_redundancy(ddp(build_graph(trace_step(model, setup))), world=4, rank=rank)
+    estimate = find_peak(timeline(step, rounded=False)).bytes
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+def test_zero_redundancy_partition_is_torchs():
+    sizes = [("a", 10), ("b", 40), ("c", 30), ("d", 30), ("e", 5), ("f", 30)]
+    params = {name: torch.nn.Parameter(torch.zeros(numel)) for name, numel in sizes}
+    names = {id(param): name for name, param in params.items()}
+    with fake_process_group(3, 0):
+        optimizer = ZeroRedundancyOptimizer(list(params.values()), torch.optim.SGD, lr=0.1)
+        torchs = [
+            [names[id(p)] for group in rank for p in group["params"]] for rank in optimizer._partition_parameters()
+        ]
+    assert partition(sizes, 3) == torchs
 
 
 def test_buckets_close_at_1_mib_then_25_mib_per_dtype():

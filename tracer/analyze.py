@@ -31,7 +31,7 @@ def analyze(
     trace.assumptions.update(runtime_assumptions(layout))
     step = build_graph(trace)
     reports = []
-    for rank in ranks(layout):
+    for rank in ranks(layout, step):
         rank_step = apply(step, layout, setup, rank)
         line = timeline(rank_step)
         reports.append(build_report(model.model_id, setup, trace, rank_step, line, find_peak(line), layout, rank))

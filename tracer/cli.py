@@ -134,8 +134,9 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine",
         choices=ENGINES,
         default="fsdp",
-        help="whose runtime is modelled: fsdp = PyTorch (DDP for --zero 0, FSDP2 fully_shard for 2 and 3), "
-        "deepspeed = DeepSpeed ZeRO with its default bucket sizes (default fsdp)",
+        help="whose runtime is modelled: fsdp = PyTorch (DDP for --zero 0, DDP with ZeroRedundancyOptimizer "
+        "for 1, FSDP2 fully_shard for 2 and 3), deepspeed = DeepSpeed ZeRO with its default bucket sizes "
+        "(default fsdp)",
     )
     group.add_argument(
         "--sequence-parallel",

@@ -41,14 +41,19 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
     return model.train()
 
 
+def optimizer_recipe(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict[str, object]]:
+    """The optimizer class and its arguments (besides the parameters)."""
+    if setup.optimizer == "adamw":
+        return torch.optim.AdamW, {"lr": LEARNING_RATE}
+    if setup.optimizer == "adam":
+        return torch.optim.Adam, {"lr": LEARNING_RATE}
+    return torch.optim.SGD, {"lr": LEARNING_RATE, "momentum": SGD_MOMENTUM}
+
+
 def build_optimizer(model: nn.Module, setup: TrainingSetup, foreach: bool | None) -> torch.optim.Optimizer:
     """The optimizer over trainable parameters. ``foreach=None`` lets torch pick for the tensors' device."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=LEARNING_RATE, foreach=foreach)
-    if setup.optimizer == "adam":
-        return torch.optim.Adam(params, lr=LEARNING_RATE, foreach=foreach)
-    return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=SGD_MOMENTUM, foreach=foreach)
+    optimizer_class, arguments = optimizer_recipe(setup)
+    return optimizer_class([p for p in model.parameters() if p.requires_grad], foreach=foreach, **arguments)
 
 
 @dataclass

@@ -1,0 +1,54 @@
+"""PyTorch's ZeRO-1: ``DistributedDataParallel`` with the optimizer wrapped in
+``torch.distributed.optim.ZeroRedundancyOptimizer``, for one rank.
+
+Each rank's local optimizer gets the parameters ``_partition_parameters`` assigns it, largest first, each to
+the rank holding the fewest elements so far; only their optimizer states and update temporaries exist on
+that rank. After the local step each owner broadcasts its parameters in place, which allocates nothing.
+"""
+
+from __future__ import annotations
+
+from strategies.rewrite import Rewrite
+from tracer.graph import StepGraph
+from tracer.roles import Phase, Role
+
+
+def partition(sizes: list[tuple[str, int]], world: int) -> list[list[str]]:
+    """The parameters of each rank, for parameters given as (name, elements) in registration order."""
+    owned: list[list[str]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for name, numel in sorted(sizes, key=lambda item: item[1], reverse=True):
+        rank = loads.index(min(loads))
+        owned[rank].append(name)
+        loads[rank] += numel
+    return owned
+
+
+def parameter_sizes(step: StepGraph) -> list[tuple[str, int]]:
+    rows = sorted((row for row in step.storages.values() if row.role is Role.PARAMETER and row.param), key=_id)
+    return [(row.param, _numel(row.shape)) for row in rows]
+
+
+def zero_redundancy(step: StepGraph, world: int, rank: int) -> StepGraph:
+    """The step of rank ``rank``: the optimizer states and temporaries of other ranks' parameters are gone.
+    Apply it to a step that already has DDP's buckets."""
+    owned = set(partition(parameter_sizes(step), world)[rank])
+    rw = Rewrite(step)
+    for row in step.storages.values():
+        if row.param is None or row.param in owned:
+            continue
+        made_by_optimizer = row.producer is not None and step.ops[row.producer].phase is Phase.OPTIMIZER
+        if row.role is Role.OPTIMIZER_STATE or made_by_optimizer:
+            rw.resize(row.id, 0)
+    return rw.build()
+
+
+def _id(row) -> int:
+    return row.id
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result
