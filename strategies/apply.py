@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -23,6 +24,7 @@ from strategies.tensor_parallel import megatron_plan, tensor_parallel
 from strategies.zero_redundancy import parameter_sizes, partition, zero_redundancy
 from tracer.errors import UserError
 from tracer.graph import StepGraph
+from tracer.roles import Role
 from tracer.training import TrainingSetup
 
 
@@ -113,18 +115,25 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
 
 
 def ranks(layout: Layout, step: StepGraph) -> list[Rank]:
-    """Ranks whose memory can differ: the last tensor-parallel rank may hold a shorter slice of the
-    vocabulary; sharding pads the last data-parallel rank's shards; PyTorch's ZeRO-1 gives each rank whole
-    parameters, so the rank given the most elements."""
-    tensor = [0, layout.tp - 1] if layout.tp > 1 else [0]
+    """Ranks whose memory can differ. Splitting a dimension that does not divide evenly leaves the last
+    tensor-parallel rank a shorter slice (``torch.chunk``), and FSDP pads the last data-parallel rank's
+    shards; DeepSpeed pads every partition to one size; PyTorch's ZeRO-1 gives each rank whole parameters,
+    so the rank whose optimizer states take the most memory."""
+    shapes = [row.shape for row in step.storages.values() if row.role is Role.PARAMETER]
+    tensor = [0]
+    if layout.tp > 1 and any(size % layout.tp for shape in shapes for size in shape[:2]):
+        tensor.append(layout.tp - 1)
     data = [0]
-    if layout.zero == 1 and layout.engine == "fsdp":
-        sizes = parameter_sizes(step)
-        numel = dict(sizes)
-        loads = [sum(numel[name] for name in names) for names in partition(sizes, layout.dp)]
+    if layout.dp > 1 and layout.zero == 1 and layout.engine == "fsdp":
+        state_bytes: dict[str, int] = defaultdict(int)
+        for row in step.storages.values():
+            if row.role is Role.OPTIMIZER_STATE and row.on_device and row.param:
+                state_bytes[row.param] += row.bytes
+        loads = [sum(state_bytes[name] for name in names) for names in partition(parameter_sizes(step), layout.dp)]
         data = sorted({0, loads.index(max(loads))})
-    elif layout.zero and layout.dp > 1:
-        data = [0, layout.dp - 1]
+    elif layout.dp > 1 and layout.zero in (2, 3) and layout.engine == "fsdp":
+        uneven = any(shape and shape[0] % (layout.tp * layout.dp) for shape in shapes)
+        data += [layout.dp - 1] if uneven else []
     return [Rank(dp=d, tp=t) for d in data for t in tensor]
 
 

@@ -94,7 +94,8 @@ class Layout:
         parts = []
         if self.tp > 1:
             sequence = " with sequence parallelism" if self.sequence_parallel else ""
-            parts.append(f"tensor parallel {self.tp}{sequence}")
+            gathered = ", gathered logits" if self.tp_output == "gathered" else ""
+            parts.append(f"tensor parallel {self.tp}{sequence}{gathered}")
         if self.dp > 1:
             parts.append(f"{self.data_parallel_name()} over {self.dp}")
         return f"{self.gpus} GPUs: " + " x ".join(parts)

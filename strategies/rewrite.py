@@ -7,10 +7,9 @@ position keep the order in which they were inserted. ``build`` renumbers everyth
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import count
-
-import networkx as nx
+from typing import NamedTuple
 
 from analysis.allocator import block_size
 from tracer.graph import StepGraph, StorageRow
@@ -18,8 +17,7 @@ from tracer.roles import Phase, Role
 from tracer.trace import Op
 
 
-@dataclass(frozen=True)
-class Point:
+class Point(NamedTuple):
     """An op of the rewritten step: an original op, or one inserted before or after one."""
 
     original: int
@@ -112,27 +110,22 @@ class Rewrite:
         return self._rows[storage_id][0]
 
     def build(self) -> StepGraph:
-        points = sorted(
-            [Point(i, 0) for i in range(len(self.step.ops))] + list(self._inserted), key=lambda p: (p.original, p.slot)
-        )
+        points = sorted([Point(i, 0) for i in range(len(self.step.ops))] + list(self._inserted))
         index_of = {point: index for index, point in enumerate(points)}
+        renumbered = [index_of[Point(i, 0)] for i in range(len(self.step.ops))]
         ops = []
         for index, point in enumerate(points):
             op = self.step.ops[point.original] if point.slot == 0 else self._inserted[point]
             ops.append(replace(op, index=index))
         rows = {}
         for storage_id, (row, first, last) in self._rows.items():
-            users = tuple(index_of[Point(u, 0)] for u in row.users)
             rows[storage_id] = replace(
                 row,
                 producer=None if first is None else index_of[first],
                 freed_after=None if last is None else index_of[last],
-                users=users,
+                users=tuple(renumbered[u] for u in row.users),
             )
-        mapping = {old: index_of[Point(old, 0)] for old in self.step.graph.nodes}
-        graph = nx.relabel_nodes(self.step.graph, mapping)
-        graph.add_nodes_from(index_of[p] for p in self._inserted)
-        return StepGraph(ops=ops, graph=graph, storages=rows, structure=self.step.structure)
+        return StepGraph(ops=ops, storages=rows, structure=self.step.structure)
 
 
 def _point(index: int | None) -> Point | None:

@@ -32,6 +32,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cache
 
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
@@ -69,7 +70,7 @@ class TpPlan:
 
     def style_of(self, module: str) -> str | None:
         for pattern, style in self.styles.items():
-            if re.fullmatch(_regex(pattern), module):
+            if _compiled(pattern).fullmatch(module):
                 return style
         return None
 
@@ -168,9 +169,11 @@ class _TensorParallel:
         self.gathered_by: dict[str, str] = {}  # module of a layer reading a gathered input -> who gathered it
         self.forward_end = _forward_ends(step) if plan.sequence_length else {}
         layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
-        self.forward_gatherers = [_regex(p.rpartition(".")[0]) for p, style in layers.items() if style == COLWISE]
-        self.forward_gatherers += [_regex(plan.output_embedding)] if plan.output_embedding else []
-        self.backward_gatherers = [_regex(p) for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
+        self.forward_gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
+        self.forward_gatherers += [plan.output_embedding] if plan.output_embedding else []
+        self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
+        self._styles: dict[str, str | None] = {}
+        self._gatherers: dict[tuple[Phase, str], str | None] = {}
 
     def build(self) -> StepGraph:
         self.shard_parameters()
@@ -235,7 +238,7 @@ class _TensorParallel:
         self.settle_partial_sums(op)
         if self.plan.sequence_length:
             self.gather_sequence_inputs(op)
-        style = self.plan.style_of(op.module)
+        style = self._style(op.module)
         if op.phase is Phase.BACKWARD and style == COLWISE_GATHER_OUTPUT:
             self.split_incoming_gradients(op)
         storages = self.step.storages
@@ -381,13 +384,19 @@ class _TensorParallel:
         return cat
 
     def _gathering_module(self, op) -> str | None:
-        patterns = self.forward_gatherers if op.phase is Phase.FORWARD else self.backward_gatherers
-        parts = op.module.split(".")
-        for depth in range(len(parts), 0, -1):
-            module = ".".join(parts[:depth])
-            if any(re.fullmatch(pattern, module) for pattern in patterns):
-                return module
-        return None
+        key = (op.phase, op.module)
+        if key not in self._gatherers:
+            patterns = self.forward_gatherers if op.phase is Phase.FORWARD else self.backward_gatherers
+            parts = op.module.split(".")
+            prefixes = (".".join(parts[:depth]) for depth in range(len(parts), 0, -1))
+            matches = (m for m in prefixes if any(_compiled(p).fullmatch(m) for p in patterns))
+            self._gatherers[key] = next(matches, None)
+        return self._gatherers[key]
+
+    def _style(self, module: str) -> str | None:
+        if module not in self._styles:
+            self._styles[module] = self.plan.style_of(module)
+        return self._styles[module]
 
     # Collectives: each replaces a storage from a point on by a new one (the storage stops there).
 
@@ -513,9 +522,10 @@ class _TensorParallel:
         return Point(index, 0)
 
 
-def _regex(pattern: str) -> str:
+@cache
+def _compiled(pattern: str) -> re.Pattern[str]:
     """A plan's module pattern ("model.layers.*.mlp") as a regular expression ("*" is a layer index)."""
-    return re.escape(pattern).replace(r"\*", r"\d+")
+    return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
 
 
 def _within(module: str, scope: str) -> bool:

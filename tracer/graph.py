@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import networkx as nx
 
@@ -33,24 +34,32 @@ class StorageRow:
 @dataclass
 class StepGraph:
     ops: list[Op]
-    graph: nx.DiGraph  # node = op index; edge producer -> consumer, with the storage ids passed
     storages: dict[int, StorageRow]
     structure: ModelStructure = field(default_factory=ModelStructure)
 
+    @cached_property
+    def graph(self) -> nx.DiGraph:
+        """Node = op index; edge producer -> consumer, with the storage ids it passes. Built when first asked
+        for: the memory passes read the storage table, and transforms would otherwise rebuild it each time."""
+        graph = nx.DiGraph()
+        for op in self.ops:
+            graph.add_node(op.index, target=op.target, module=op.module, phase=op.phase.value)
+        for row in self.storages.values():
+            for user in row.users:
+                if row.producer is None or row.producer == user:
+                    continue
+                if graph.has_edge(row.producer, user):
+                    graph.edges[row.producer, user]["storages"].append(row.id)
+                else:
+                    graph.add_edge(row.producer, user, storages=[row.id])
+        return graph
+
 
 def build_graph(trace: Trace) -> StepGraph:
-    graph = nx.DiGraph()
     users: dict[int, list[int]] = defaultdict(list)
     for op in trace.ops:
-        graph.add_node(op.index, target=op.target, module=op.module, phase=op.phase.value)
         for storage_id in op.inputs:
             users[storage_id].append(op.index)
-            producer = trace.storages[storage_id].created_at
-            if producer is not None and producer != op.index:
-                if graph.has_edge(producer, op.index):
-                    graph.edges[producer, op.index]["storages"].append(storage_id)
-                else:
-                    graph.add_edge(producer, op.index, storages=[storage_id])
     rows = {}
     for storage in trace.storages.values():
         producer = storage.created_at
@@ -69,4 +78,4 @@ def build_graph(trace: Trace) -> StepGraph:
             name=storage.name,
             param=storage.param,
         )
-    return StepGraph(ops=trace.ops, graph=graph, storages=rows, structure=trace.structure)
+    return StepGraph(ops=trace.ops, storages=rows, structure=trace.structure)

@@ -1,0 +1,40 @@
+"""Layouts end to end: the ranks reported include the busiest one, and every rank's step is consistent."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import tiny_model
+
+from analysis.peak import find_peak, timeline
+from strategies.apply import Rank, apply, ranks, traced_setup
+from strategies.layout import Layout
+from tracer.graph import build_graph
+from tracer.tracing import trace_step
+from tracer.training import Target, TrainingSetup
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(gpus=8, zero=3),
+        Layout(gpus=8, zero=2),
+        Layout(gpus=8, zero=1),
+        Layout(gpus=4, tp=4),
+        Layout(gpus=8, tp=2, zero=3),
+        Layout(gpus=8, zero=3, engine="deepspeed"),
+    ],
+    ids=lambda layout: layout.describe(),
+)
+@pytest.mark.parametrize("vocab", [256, 250])
+@pytest.mark.parametrize("target", list(Target))
+def test_the_reported_ranks_include_the_busiest(layout, vocab, target):
+    setup = TrainingSetup(target=target, batch_size=2, seq_len=32)
+    model = tiny_model("llama", vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8)
+    traced, _ = traced_setup(setup, layout)
+    step = build_graph(trace_step(model, traced))
+
+    def peak(rank: Rank) -> int:
+        return find_peak(timeline(apply(step, layout, setup, rank))).bytes
+
+    every = [Rank(dp, tp) for dp in range(layout.dp) for tp in range(layout.tp)]
+    assert max(peak(rank) for rank in ranks(layout, step)) == max(peak(rank) for rank in every)
