@@ -1,4 +1,4 @@
-"""Layouts end to end: the ranks reported include the busiest one, and every rank's step is consistent."""
+"""Layouts end to end: the ranks a report shows include the busiest one."""
 
 from __future__ import annotations
 
