@@ -4,6 +4,7 @@ against."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
@@ -31,6 +32,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis.peak import find_peak, timeline
+from strategies.apply import Rank
+from strategies.layout import Layout
 from strategies.tensor_parallel import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,
@@ -278,3 +281,27 @@ def ddp_peak(
         with recorder.recording():
             step.run(batch, on_phase=recorder.enter)
         return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes
+
+
+def runtime_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int | None:
+    """The runtime the layout stands for, run for ``rank``; None where none runs here (DeepSpeed, and DDP
+    over tensor-parallel DTensors). Mixed precision under FSDP2 is its MixedPrecisionPolicy."""
+    if layout.engine == "deepspeed" or (layout.tp > 1 and layout.zero < 2 and layout.dp > 1):
+        return None
+    if layout.tp > 1:
+        return tensor_parallel_peak(
+            model,
+            setup,
+            layout.tp,
+            rank.tp,
+            gathered_output=layout.tp_output == "gathered",
+            data_parallel=layout.dp,
+            data_rank=rank.dp,
+            reshard_after_forward=layout.zero == 3,
+            sequence_parallel=layout.sequence_parallel,
+        )
+    if layout.zero < 2:
+        return ddp_peak(model, setup, layout.dp, rank.dp, zero_redundancy=layout.zero == 1)
+    fp32 = dataclasses.replace(setup, mixed_precision=None)
+    mixed = setup.mixed_precision is not None
+    return fsdp2_peak(model, fp32, layout.dp, rank.dp, mixed, reshard_after_forward=layout.zero == 3)

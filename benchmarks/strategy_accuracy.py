@@ -1,0 +1,99 @@
+"""Per-rank estimates of parallel layouts against PyTorch's own runtimes run for that rank.
+
+    python -m benchmarks.strategy_accuracy [--markdown]
+
+Each case traces the single-GPU step once, transforms it for the layout and rank (``strategies.apply``), and
+compares the peak with the runtime's: DDP and ZeroRedundancyOptimizer on real CPU tensors, FSDP2 and DTensor
+tensor parallelism under FakeTensorMode, one rank of a fake process group, measured by PyTorch's memory
+trackers (``torch.distributed._tools``). Tensor bytes as the trackers count them (``--target cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import transformers
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from runtimes import runtime_peak
+from tiny_models import tiny_model
+
+from analysis.peak import find_peak, timeline
+from strategies.apply import Rank, apply, traced_setup
+from strategies.layout import Layout
+from tracer.graph import build_graph
+from tracer.tracing import trace_step
+from tracer.training import Target, TrainingSetup
+
+SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
+WIDE = {"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 6}  # several DDP buckets
+UNEVEN = {"vocab_size": 250}  # rows that do not split evenly
+
+
+def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
+    """(family, layout, rank, config overrides, setup options)."""
+    found = []
+    for family in ("llama", "gpt2", "falcon", "opt"):
+        found.append((family, Layout(gpus=4), Rank(), WIDE, {}))
+        found.append((family, Layout(gpus=4, zero=1), Rank(dp=3), WIDE, {}))
+    for family in ("llama", "gpt2", "falcon"):
+        for world in (2, 4, 8):
+            found.append((family, Layout(gpus=world, zero=3), Rank(), {}, {}))
+        found.append((family, Layout(gpus=4, zero=2), Rank(), {}, {}))
+        found.append((family, Layout(gpus=4, zero=3), Rank(), {}, {"mixed_precision": "bf16"}))
+    found.append(("gpt2", Layout(gpus=8, zero=3), Rank(dp=7), UNEVEN, {}))
+    for family in ("llama", "qwen2", "gemma2", "gpt_neox"):
+        for degree in (2, 4):
+            for output in ("parallel", "gathered"):
+                found.append((family, Layout(gpus=degree, tp=degree, tp_output=output), Rank(), SPLITTABLE, {}))
+    for family in ("llama", "qwen2", "gpt_neox"):
+        for degree in (2, 4):
+            layout = Layout(gpus=degree, tp=degree, sequence_parallel=True)
+            found.append((family, layout, Rank(), SPLITTABLE, {}))
+    found.append(("llama", Layout(gpus=4, tp=4), Rank(tp=3), SPLITTABLE | UNEVEN, {}))
+    found.append(("llama", Layout(gpus=2, tp=2), Rank(), SPLITTABLE, {"mixed_precision": "bf16"}))
+    found.append(("llama", Layout(gpus=4, tp=2, zero=3), Rank(), SPLITTABLE, {}))
+    found.append(("qwen2", Layout(gpus=4, tp=2, zero=2, tp_output="gathered"), Rank(1, 1), SPLITTABLE, {}))
+    found.append(("gemma2", Layout(gpus=4, tp=2, zero=3, tp_output="gathered"), Rank(1, 1), SPLITTABLE, {}))
+    found.append(("gpt_neox", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), SPLITTABLE, {}))
+    found.append(("llama", Layout(gpus=4, tp=2, zero=3, sequence_parallel=True), Rank(1, 1), SPLITTABLE, {}))
+    return found
+
+
+def estimate(family: str, layout: Layout, rank: Rank, overrides: dict, setup: TrainingSetup) -> int:
+    traced, _ = traced_setup(setup, layout)
+    step = apply(build_graph(trace_step(tiny_model(family, **overrides), traced)), layout, setup, rank)
+    return find_peak(timeline(step, rounded=False)).bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    rows, errors, start = [], [], time.time()
+    for family, layout, rank, overrides, options in cases():
+        setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
+        runtime = runtime_peak(tiny_model(family, **overrides), setup, layout, rank)
+        predicted = estimate(family, layout, rank, overrides, setup)
+        error = (predicted - runtime) / runtime
+        errors.append(abs(error))
+        options_text = ", ".join(f"{k}={v}" for k, v in (overrides | options).items() if k != "num_key_value_heads")
+        where = f"dp {rank.dp}, tp {rank.tp}"
+        rows.append((layout.describe(), family, where, options_text, runtime, predicted, f"{100 * error:+.3f}%"))
+    headers = ["layout", "model", "rank", "config", "runtime bytes", "estimate bytes", "error"]
+    print(tabulate(rows, headers=headers, tablefmt="github" if args.markdown else "simple"))
+    print(
+        f"\n{len(rows)} cases: max |error| {100 * max(errors):.3f}%, mean {100 * statistics.mean(errors):.3f}%"
+        f" ({time.time() - start:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()
