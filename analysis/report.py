@@ -133,6 +133,23 @@ def live_groups(step: StepGraph, index: int) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["bytes"], reverse=True)
 
 
+def _ranks_table(report: MemoryReport) -> str:
+    categories = [role for role in Role if any(r.breakdown.get(role.value, 0) for r in report.ranks)]
+    rows = [
+        (
+            r.rank.global_rank(report.layout),
+            r.rank.dp,
+            r.rank.tp,
+            format_bytes(r.peak_bytes),
+            r.peak_phase,
+            *(format_bytes(r.breakdown.get(role.value, 0)) for role in categories),
+        )
+        for r in report.ranks
+    ]
+    headers = ["rank", "dp", "tp", "peak", "phase", *(role.value for role in categories)]
+    return tabulate(rows, headers=headers, colalign=("right", "right", "right"))
+
+
 def render_text(report: MemoryReport) -> str:
     where = report.peak_module or "(model top level)"
     title = "Estimated" if report.kind == "estimate" else "Measured"
@@ -144,16 +161,8 @@ def render_text(report: MemoryReport) -> str:
         "",
     ]
     if len(report.ranks) > 1:
-        rows = [
-            (r.rank.global_rank(layout), r.rank.dp, r.rank.tp, format_bytes(r.peak_bytes), r.peak_phase, r.peak_op)
-            for r in report.ranks
-        ]
-        lines += [
-            "Distinct ranks:",
-            tabulate(rows, headers=["rank", "dp rank", "tp rank", "peak", "phase", "at"], colalign=("right",)),
-            "",
-            f"The busiest rank is rank {report.rank.global_rank(layout)}:",
-        ]
+        lines += ["Distinct ranks (breakdown at each one's peak):", _ranks_table(report), ""]
+        lines += [f"The busiest rank is rank {report.rank.global_rank(layout)}:"]
     lines += [
         f"{title} peak allocated memory: {format_bytes(report.peak_bytes)} ({report.peak_bytes:,} bytes)",
         f"  at {report.peak_op} in {where}, {report.peak_phase} (op {report.peak_op_index + 1:,} of "

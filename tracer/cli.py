@@ -78,7 +78,8 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("bf16", "fp16"),
         default=None,
         help="run the forward under autocast in this dtype, with fp32 weights, gradients and optimizer states "
-        "(fp16 adds a GradScaler); default: off",
+        "(fp16 adds a GradScaler); under FSDP2 (--zero 2, 3) or DeepSpeed, their own mixed precision instead: "
+        "low-precision compute, fp32 shards or master weights; default: off",
     )
     parser.add_argument(
         "--optimizer",
