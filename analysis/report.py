@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from analysis.liveness import lifetimes
 from analysis.peak import Peak, Timeline
-from analysis.units import format_bytes
+from analysis.units import format_bytes, format_count
 from strategies.apply import Rank
 from strategies.layout import Layout
 from tracer.graph import StepGraph
@@ -156,8 +156,8 @@ def render_text(report: MemoryReport) -> str:
     layout = report.layout
     scope = f"per GPU, {layout.describe()}" if layout.distributed else "on one GPU"
     lines = [
-        f"{report.model_id}: one fine-tuning step {scope} ({report.parameter_count / 1e9:.2f}B parameters,"
-        f" {report.trainable_parameter_count / 1e9:.2f}B trainable)",
+        f"{report.model_id}: one fine-tuning step {scope} ({format_count(report.parameter_count)} parameters,"
+        f" {format_count(report.trainable_parameter_count)} trainable)",
         "",
     ]
     if len(report.ranks) > 1:

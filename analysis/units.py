@@ -11,3 +11,11 @@ def format_bytes(nbytes: int) -> str:
     if abs(nbytes) >= MIB:
         return f"{nbytes / MIB:.3f} MiB"
     return f"{nbytes / 1024:.1f} KiB"
+
+
+def format_count(count: int) -> str:
+    """Counts of parameters: "6.74B", "4.19M", "12.3K", "512"."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}{suffix}"
+    return str(count)

@@ -10,7 +10,16 @@ import warnings
 from collections.abc import Sequence
 
 from tracer.errors import UserError
-from tracer.training import ATTENTIONS, DTYPES, OPTIMIZERS, Target, TrainingSetup
+from tracer.training import (
+    ATTENTIONS,
+    CHECKPOINTING,
+    DTYPES,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    LoraSetup,
+    Target,
+    TrainingSetup,
+)
 
 EXIT_USER_ERROR = 2
 
@@ -85,7 +94,16 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default=defaults.optimizer,
-        help="torch.optim.AdamW (default), Adam, or SGD with momentum 0.9",
+        help="torch.optim.AdamW (default), Adam, SGD with momentum 0.9, transformers' Adafactor (as the Trainer "
+        "builds it), or bitsandbytes' AdamW8bit",
+    )
+    parser.add_argument(
+        "--optimizer-impl",
+        choices=OPTIMIZER_IMPLS,
+        default=None,
+        help="implementation of torch's adamw/adam/sgd: foreach (multi-tensor, with temporaries for all "
+        "parameters at once), fused (one kernel, no temporaries) or for-loop; default: torch's choice for the "
+        "device (foreach on CUDA)",
     )
     parser.add_argument(
         "--attn",
@@ -106,6 +124,44 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    _add_variant_arguments(parser)
+
+
+def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fine-tuning variants")
+    group.add_argument(
+        "--grad-checkpointing",
+        choices=CHECKPOINTING,
+        default=None,
+        help="recompute activations in backward: full = every decoder layer (model.gradient_checkpointing_enable), "
+        "selective = the attention of every decoder layer; default: off",
+    )
+    group.add_argument(
+        "--reentrant", action="store_true", help="with --grad-checkpointing full: use_reentrant=True (default False)"
+    )
+    group.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation, default 1)"
+    )
+    group.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank (peft); default: off")
+    group.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default 16)")
+    group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    group.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model)",
+    )
+    quantization = group.add_mutually_exclusive_group()
+    quantization.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: NF4 base weights with double quantization (bitsandbytes), LoRA adapters (rank 8 unless "
+        "--lora-r); compute in --dtype bf16 or fp16",
+    )
+    quantization.add_argument(
+        "--load-in-8bit",
+        action="store_true",
+        help="LLM.int8() base weights (bitsandbytes) with LoRA adapters (rank 8 unless --lora-r)",
+    )
 
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +224,13 @@ def _layout(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace) -> TrainingSetup:
+    quantize = "nf4" if args.qlora else "int8" if args.load_in_8bit else None
+    lora = None
+    if args.lora_r is not None or quantize:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+        lora = LoraSetup(
+            r=args.lora_r or LoraSetup.r, alpha=args.lora_alpha, targets=targets, dropout=args.lora_dropout
+        )
     return TrainingSetup(
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -177,6 +240,12 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         attn=args.attn,
         target=Target(args.target),
         gpu=args.gpu,
+        grad_checkpointing=args.grad_checkpointing,
+        reentrant=args.reentrant,
+        lora=lora,
+        quantize=quantize,
+        grad_accum=args.grad_accum,
+        optimizer_impl=args.optimizer_impl,
     )
 
 
@@ -257,7 +326,10 @@ def _progress(args: argparse.Namespace, message: str, end: str = "\n") -> None:
 
 
 def _quiet_libraries() -> None:
+    import logging
+
     import transformers
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module="transformers")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # imported by peft; warns about its CPU kernels

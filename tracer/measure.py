@@ -20,7 +20,7 @@ from tracer.analyze import analyze
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
-from tracer.modules import ModuleScope
+from tracer.modules import ModuleScope, count_parameters
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
@@ -72,7 +72,8 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
     scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
     step = TrainingStep(net, optimizer, scaler=scaler, **({"autocast": autocast} if autocast else {}))
-    if not any(_stepped(lambda: step.run(batch), scaler) for _ in range(MAX_SKIPPED_STEPS)):
+    micro_steps = setup.grad_accum
+    if not any(_stepped(lambda: step.run(batch, micro_steps=micro_steps), scaler) for _ in range(MAX_SKIPPED_STEPS)):
         raise UserError(_SKIPPED_MESSAGE)
     for _ in range(MAX_SKIPPED_STEPS):
         report = _measure_step(model, setup, step, batch, device)
@@ -106,12 +107,11 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with recorder.recording():
-        stepped = _stepped(lambda: step.run(batch, on_phase=recorder.enter), step.scaler)
+        stepped = _stepped(lambda: step.run(batch, recorder.enter, setup.grad_accum), step.scaler)
     if not stepped:
         return None
     trace = recorder.trace()
-    trace.parameter_count = sum(p.numel() for p in net.parameters())
-    trace.trainable_parameter_count = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
     trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
     step_graph = build_graph(trace)
     line = timeline(step_graph)

@@ -62,6 +62,22 @@ class ModuleScope:
             self._stack.pop()
 
 
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameters, counting a quantized weight by the elements it stands for, not the bytes
+    that pack them (quantized layers say so with ``logical_weight_numel``)."""
+    total = trainable = 0
+    seen: set[int] = set()  # tied weights count once
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            numel = getattr(module, "logical_weight_numel", param.numel()) if name == "weight" else param.numel()
+            total += numel
+            trainable += numel if param.requires_grad else 0
+    return total, trainable
+
+
 def model_structure(model: nn.Module) -> ModelStructure:
     names = {id(module): name for name, module in model.named_modules()}
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -14,7 +14,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from tracer.checkpointing import enable_checkpointing
 from tracer.errors import UserError
+from tracer.lora import apply_lora
+from tracer.optimizers import AdamW8bit
+from tracer.quantization import quantize_base_weights
 from tracer.roles import Phase
 from tracer.training import TrainingSetup
 
@@ -32,28 +36,50 @@ def attention_implementation(config: PretrainedConfig, setup: TrainingSetup) -> 
 
 
 def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
+    """The model as the setup trains it: quantized base weights, LoRA adapters and checkpointing applied."""
     try:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, setup), dtype=setup.param_dtype
         )
     except (ValueError, TypeError, RuntimeError) as error:
         raise UserError(f"transformers cannot build this model from its config: {error}") from None
+    if setup.quantize:
+        quantize_base_weights(model, setup.quantize)
+    if setup.grad_checkpointing:
+        enable_checkpointing(model, setup.grad_checkpointing, setup.reentrant)
+    if setup.lora:
+        model = apply_lora(model, setup.lora)
     return model.train()
 
 
 def optimizer_recipe(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict[str, object]]:
-    """The optimizer class and its arguments (besides the parameters)."""
+    """The optimizer class and its arguments (besides the parameters and the implementation)."""
     if setup.optimizer == "adamw":
         return torch.optim.AdamW, {"lr": LEARNING_RATE}
     if setup.optimizer == "adam":
         return torch.optim.Adam, {"lr": LEARNING_RATE}
-    return torch.optim.SGD, {"lr": LEARNING_RATE, "momentum": SGD_MOMENTUM}
+    if setup.optimizer == "sgd":
+        return torch.optim.SGD, {"lr": LEARNING_RATE, "momentum": SGD_MOMENTUM}
+    if setup.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # As the Trainer builds it for optim="adafactor".
+        return Adafactor, {"lr": LEARNING_RATE, "scale_parameter": False, "relative_step": False}
+    return AdamW8bit, {"lr": LEARNING_RATE}
 
 
 def build_optimizer(model: nn.Module, setup: TrainingSetup, foreach: bool | None) -> torch.optim.Optimizer:
-    """The optimizer over trainable parameters. ``foreach=None`` lets torch pick for the tensors' device."""
+    """The optimizer over trainable parameters. ``foreach`` is the default implementation to ask torch's
+    optimizers for (None lets torch pick for the tensors' device); ``setup.optimizer_impl`` overrides it."""
     optimizer_class, arguments = optimizer_recipe(setup)
-    return optimizer_class([p for p in model.parameters() if p.requires_grad], foreach=foreach, **arguments)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if setup.optimizer not in ("adamw", "adam", "sgd"):
+        return optimizer_class(params, **arguments)
+    if setup.optimizer_impl == "fused":
+        return optimizer_class(params, fused=True, **arguments)
+    if setup.optimizer_impl is not None:
+        foreach = setup.optimizer_impl == "foreach"
+    return optimizer_class(params, foreach=foreach, **arguments)
 
 
 @dataclass
@@ -82,18 +108,20 @@ class TrainingStep:
     autocast: Callable[[], AbstractContextManager] = nullcontext
     scaler: torch.amp.GradScaler | None = None
 
-    def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None) -> None:
-        on_phase(Phase.FORWARD)
-        with self.autocast():
-            loss = self.model(batch.input_ids, labels=batch.labels).loss
-        on_phase(Phase.BACKWARD)
+    def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None, micro_steps: int = 1) -> None:
+        """One optimizer step after ``micro_steps`` forward and backward passes (gradient accumulation)."""
+        for _ in range(micro_steps):
+            on_phase(Phase.FORWARD)
+            with self.autocast():
+                loss = self.model(batch.input_ids, labels=batch.labels).loss
+            if micro_steps > 1:
+                loss = loss / micro_steps
+            on_phase(Phase.BACKWARD)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        on_phase(Phase.OPTIMIZER)
         if self.scaler is None:
-            loss.backward()
-            on_phase(Phase.OPTIMIZER)
             self.optimizer.step()
         else:
-            self.scaler.scale(loss).backward()
-            on_phase(Phase.OPTIMIZER)
             self.scaler.step(self.optimizer)
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

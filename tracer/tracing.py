@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from functools import partial
+from unittest.mock import patch
 
 import torch
 import transformers
@@ -15,6 +16,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from transformers import masking_utils
 
 from analysis.allocator import MIN_BLOCK_SIZE
 from analysis.gpus import find_gpu
@@ -23,7 +25,7 @@ from tracer.cuda import CudaEmulation
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope, model_structure
+from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
@@ -49,7 +51,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
-    with FakeTensorMode(), MetaFixes(), emulation or nullcontext():
+    with FakeTensorMode(), MetaFixes(), _as_eager(), emulation or nullcontext():
         report("building the model")
         net = build_model(config, setup)
         optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
@@ -74,17 +76,45 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
             recorder.enter(phase)
 
         with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
-            step.run(batch, on_phase=on_phase)
+            step.run(batch, on_phase=on_phase, micro_steps=traced_micro_steps(setup))
         del workspace
 
     trace = recorder.trace()
     if cuda:
         mark_host_storages(trace)
-    trace.parameter_count = sum(p.numel() for p in net.parameters())
-    trace.trainable_parameter_count = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
     trace.structure = model_structure(net)
     trace.assumptions = _assumptions(model, setup, optimizer, emulation)
     return trace
+
+
+@contextmanager
+def _as_eager() -> Iterator[None]:
+    """transformers' mask code reads fake tensors as a sign of graph tracing (``is_tracing``) and then keeps
+    causal masks that eager runs skip; the trace stands for an eager run, so that code is told none is going
+    on. The one value-dependent question it then asks of this step, whether the positions hold packed
+    sequences, gets the eager answer for a batch of whole sequences (no), after the ops that compute it ran."""
+    tracing = masking_utils.is_tracing
+
+    def unpacked(position_ids: torch.Tensor) -> None:
+        first = position_ids[:, :1] - 1
+        difference = torch.diff(position_ids, prepend=first, dim=-1)
+        (difference != 1).cumsum(-1)
+
+    with ExitStack() as stack:
+        for name, replacement in (
+            ("is_tracing", lambda tensor=None: tracing()),
+            ("find_packed_sequence_indices", unpacked),
+        ):
+            if hasattr(masking_utils, name):  # both are recent (transformers 5.x)
+                stack.enter_context(patch.object(masking_utils, name, replacement))
+        yield
+
+
+def traced_micro_steps(setup: TrainingSetup) -> int:
+    """Micro-steps traced for gradient accumulation: the first creates the gradients, every later one runs
+    with them alive and is the same as the second, so two stand for any number."""
+    return min(setup.grad_accum, 2)
 
 
 def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):

@@ -19,8 +19,27 @@ class Target(str, Enum):
 
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
+OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")  # torch.optim's implementations of AdamW, Adam and SGD
 ATTENTIONS = ("sdpa", "eager")
+CHECKPOINTING = ("full", "selective")  # every decoder layer, or the attention of every decoder layer
+QUANTIZATIONS = ("nf4", "int8")  # bitsandbytes storage of the frozen base weights (QLoRA, LLM.int8())
+
+
+@dataclass(frozen=True)
+class LoraSetup:
+    """LoRA adapters through ``peft`` (``LoraConfig``); ``targets`` None lets peft pick per architecture."""
+
+    r: int = 8
+    alpha: int = 16
+    targets: tuple[str, ...] | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise UserError(f"--lora-r must be at least 1 (got {self.r}).")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--lora-dropout must be in [0, 1) (got {self.dropout}).")
 
 
 @dataclass(frozen=True)
@@ -40,6 +59,12 @@ class TrainingSetup:
     attn: str = "sdpa"
     target: Target = Target.CUDA
     gpu: str = "h100"
+    grad_checkpointing: str | None = None
+    reentrant: bool = False  # torch.utils.checkpoint(use_reentrant=True)
+    lora: LoraSetup | None = None
+    quantize: str | None = None
+    grad_accum: int = 1
+    optimizer_impl: str | None = None  # None: torch's default for the device
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -60,6 +85,27 @@ class TrainingSetup:
             raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r}).")
         if self.attn not in ATTENTIONS:
             raise UserError(f"--attn must be one of {', '.join(ATTENTIONS)} (got {self.attn!r}).")
+        if self.grad_checkpointing not in (None, *CHECKPOINTING):
+            raise UserError(f"--grad-checkpointing must be full or selective (got {self.grad_checkpointing!r}).")
+        if self.reentrant and self.grad_checkpointing is None:
+            raise UserError("--reentrant chooses how checkpointing recomputes: add --grad-checkpointing.")
+        if self.grad_accum < 1:
+            raise UserError(f"--grad-accum must be at least 1 (got {self.grad_accum}).")
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZATIONS:
+                raise UserError(f"quantization must be nf4 or int8 (got {self.quantize!r}).")
+            if self.lora is None:
+                raise UserError("Quantized base weights are frozen: train LoRA adapters on them (--lora-r).")
+            if self.dtype == "fp32" or self.mixed_precision:
+                raise UserError(
+                    "--qlora and --load-in-8bit compute in --dtype bf16 or fp16 (their compute dtype); "
+                    "pass --dtype bf16."
+                )
+        if self.optimizer_impl is not None:
+            if self.optimizer_impl not in OPTIMIZER_IMPLS:
+                raise UserError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}.")
+            if self.optimizer not in ("adamw", "adam", "sgd"):
+                raise UserError(f"--optimizer-impl applies to torch's adamw, adam and sgd, not {self.optimizer}.")
 
     @property
     def param_dtype(self) -> torch.dtype:

@@ -1,0 +1,126 @@
+"""Fine-tuning variants: checkpointing, LoRA, gradient accumulation and optimizers against eager execution on
+CPU (storage tracking), and the quantized storage against bitsandbytes itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from tracer.analyze import analyze
+from tracer.measure import measure
+from tracer.optimizers import AdamW8bit
+from tracer.quantization import Linear4bit, Linear8bitLt
+from tracer.training import LoraSetup, Target, TrainingSetup
+
+TOLERANCE = 0.001
+# Module names that cover every family's attention projections (peft adapts those that exist).
+ATTENTION = ("q_proj", "v_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv")
+
+
+def _check(family: str, **options) -> None:
+    setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | options))
+    measured = measure(tiny_model(family), setup).peak_bytes
+    estimated = analyze(tiny_model(family), setup).peak_bytes
+    assert abs(estimated - measured) / measured <= TOLERANCE, (estimated, measured)
+
+
+@pytest.mark.parametrize("kind", ["full", "full-reentrant", "selective"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_checkpointing(family, kind):
+    """The recomputation is traced as it runs in backward, not derived from a formula."""
+    _check(family, grad_checkpointing=kind.removesuffix("-reentrant"), reentrant=kind.endswith("reentrant"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["full", "selective"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpointing_every_family(family, kind):
+    _check(family, grad_checkpointing=kind)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"dtype": "bf16"}, {"mixed_precision": "bf16"}, {"grad_checkpointing": "full"}]
+)
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gpt_neox"])
+def test_lora(family, options):
+    _check(family, lora=LoraSetup(r=4, alpha=8, targets=ATTENTION, dropout=0.1), **options)
+
+
+def test_lora_with_peft_default_targets():
+    _check("llama", lora=LoraSetup())
+
+
+@pytest.mark.parametrize("micro_steps", [2, 3])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_accumulation(family, micro_steps):
+    """Two traced micro-steps stand for any number: every micro-step after the first is the same."""
+    _check(family, grad_accum=micro_steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_adafactor(family):
+    _check(family, optimizer="adafactor")
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_optimizer_implementations(optimizer, implementation):
+    _check("llama", optimizer=optimizer, optimizer_impl=implementation)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 256), (96, 100), (16, 16)])
+def test_adamw8bit_states_are_bitsandbytes(shape):
+    bnb = pytest.importorskip("bitsandbytes")
+    ours = _states_bytes(AdamW8bit, shape)
+    theirs = _states_bytes(bnb.optim.AdamW8bit, shape)
+    assert ours == theirs
+
+
+def _states_bytes(optimizer_class, shape) -> int:
+    param = torch.nn.Parameter(torch.randn(shape))
+    param.grad = torch.randn(shape)
+    optimizer = optimizer_class([param], lr=1e-3)
+    optimizer.step()
+    storages = {
+        value.untyped_storage()._cdata: value.untyped_storage().nbytes()
+        for value in optimizer.state[param].values()
+        if isinstance(value, torch.Tensor)
+    }
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (256, 128), (96, 160)])
+def test_nf4_storage_is_bitsandbytes(shape):
+    functional = pytest.importorskip("bitsandbytes.functional")
+    weight = torch.randn(shape, dtype=torch.bfloat16)
+    packed, state = functional.quantize_4bit(weight, blocksize=64, compress_statistics=True, quant_type="nf4")
+    theirs = [packed, state.absmax, state.state2.absmax, state.offset, state.code, state.state2.code]
+    ours = Linear4bit(torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16))
+    assert sum(t.nbytes for t in ours.parameters()) + sum(t.nbytes for t in ours.buffers()) == sum(
+        t.nbytes for t in theirs
+    )
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (256, 128)])
+def test_int8_storage_is_bitsandbytes(shape):
+    bnb = pytest.importorskip("bitsandbytes")
+    weight = torch.randn(shape, dtype=torch.float16)
+    quantized, scales, _ = bnb.functional.int8_vectorwise_quant(weight)
+    ours = Linear8bitLt(torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.float16))
+    assert sum(t.nbytes for t in ours.parameters()) + sum(t.nbytes for t in ours.buffers()) == (
+        quantized.nbytes + scales.nbytes
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+@pytest.mark.parametrize("quantize", ["nf4", "int8"])
+def test_quantized_base_runs_and_keeps_the_adapters_trainable(family, quantize):
+    """The quantized layers' byte arithmetic is checked above against bitsandbytes; here the whole step
+    runs through them, and only the adapters train."""
+    setup = TrainingSetup(
+        target=Target.CPU, batch_size=2, seq_len=32, dtype="bf16", quantize=quantize, lora=LoraSetup()
+    )
+    report = analyze(tiny_model(family), setup)
+    assert 0 < report.trainable_parameter_count < report.parameter_count / 5
+    assert report.breakdown["gradients"] < report.breakdown["parameters"]
