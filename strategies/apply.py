@@ -42,6 +42,19 @@ class Rank:
 def check_layout(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> None:
     """Refuse, before any tracing, a layout this model or step cannot be split into."""
     layout.check_model(config)
+    sharded = layout.tp > 1 or (layout.dp > 1 and (layout.zero >= 2 or layout.engine == "deepspeed"))
+    if setup.grad_accum > 1 and sharded:
+        raise UserError(
+            "--grad-accum with FSDP, DeepSpeed or tensor parallelism is not modelled yet (only one GPU, DDP and "
+            "--zero 1); estimate one micro-step with --grad-accum 1."
+        )
+    if setup.quantize and sharded:
+        raise UserError(
+            "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU and with DDP only; FSDP, "
+            "DeepSpeed and tensor parallelism store them differently."
+        )
+    if setup.lora and layout.tp > 1:
+        raise UserError("LoRA with tensor parallelism is not modelled: use --tp 1.")
     if layout.sequence_parallel and setup.seq_len % layout.tp:
         raise UserError(
             f"--sequence-parallel splits the sequence over the {layout.tp} tensor-parallel GPUs: --seq-len "

@@ -80,14 +80,18 @@ class _DeepSpeed:
             row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param is not None
         }
         self.numel = {name: _numel(row.shape) for name, row in self.params.items()}
+        # The optimizer, and so the fp32 partition, covers trainable parameters only (frozen ones, as LoRA
+        # leaves the base, have no gradient).
+        trainable = {row.param for row in step.storages.values() if row.role is Role.GRADIENT}
         self.dtype = next(iter(self.params.values())).dtype
         self.bytes = element_size(self.dtype)
         self.gradients = [row for row in step.storages.values() if row.role is Role.GRADIENT]
         self.backward = _span(step, Phase.BACKWARD)
         self.optimizer = _span(step, Phase.OPTIMIZER)
-        self.total = sum(self.numel.values())
+        trained = {name: numel for name, numel in self.numel.items() if name in trainable}
+        self.total = sum(trained.values())
         if plan.stage == 3:
-            self.partition = sum(parameter_partition_numel(numel, plan.world) for numel in self.numel.values())
+            self.partition = sum(parameter_partition_numel(numel, plan.world) for numel in trained.values())
         else:
             self.partition = partition_numel(self.total, plan.world)
 

@@ -167,13 +167,12 @@ class _TensorParallel:
         self.pending: dict[int, tuple[str, Op]] = {}  # partial sums -> module they stay partial in, its last op
         self.gathered: dict[int, str] = {}  # gathered sequence slices -> the module that reads them whole
         self.gathered_by: dict[str, str] = {}  # module of a layer reading a gathered input -> who gathered it
-        self.forward_end = _forward_ends(step) if plan.sequence_length else {}
         layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
         self.forward_gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
         self.forward_gatherers += [plan.output_embedding] if plan.output_embedding else []
         self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
         self._styles: dict[str, str | None] = {}
-        self._gatherers: dict[tuple[Phase, str], str | None] = {}
+        self._gatherers: dict[tuple[bool, str], str | None] = {}
 
     def build(self) -> StepGraph:
         self.shard_parameters()
@@ -239,7 +238,7 @@ class _TensorParallel:
         if self.plan.sequence_length:
             self.gather_sequence_inputs(op)
         style = self._style(op.module)
-        if op.phase is Phase.BACKWARD and style == COLWISE_GATHER_OUTPUT:
+        if not op.runs_forward and style == COLWISE_GATHER_OUTPUT:
             self.split_incoming_gradients(op)
         storages = self.step.storages
         made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
@@ -272,7 +271,7 @@ class _TensorParallel:
         for storage_id in made:
             if out.partial:
                 self.pending[storage_id] = (self.partial_scope(op), op)
-            elif style == COLWISE_GATHER_OUTPUT and op.phase is Phase.FORWARD and op.target in _MATMULS:
+            elif style == COLWISE_GATHER_OUTPUT and op.runs_forward and op.target in _MATMULS:
                 self.all_gather(op, storage_id)
 
     def input_share(self, op, storage_id: int) -> _Share:
@@ -288,7 +287,7 @@ class _TensorParallel:
         """Where a partial sum stays partial: the module that made it (its output hook reduces it, or
         ``_FromTorchTensor.backward`` for an input gradient), or, under sequence parallelism, the module
         that gathered that input (``PrepareModuleInput``: the gradients of q, k and v add up first)."""
-        if op.phase is Phase.BACKWARD:
+        if not op.runs_forward:
             return self.gathered_by.get(op.module, op.module)
         return op.module
 
@@ -302,7 +301,7 @@ class _TensorParallel:
                     self.pending[storage_id] = (scope, op)
                 continue
             del self.pending[storage_id]
-            if last.phase is Phase.FORWARD:
+            if last.runs_forward:
                 self.reduce_partial_sum(storage_id, _Anchor(last, after=True))
             else:
                 self.reduce_partial_sum(storage_id, _Anchor(op, after=False, module=last.module))
@@ -332,19 +331,20 @@ class _TensorParallel:
         attention and the MLP (``PrepareModuleInput``) and the lm_head; in backward the row-wise layers and
         the embedding, whose outputs were reduce-scattered."""
         gatherer = self._gathering_module(op)
-        if gatherer is None:
+        needs_whole = op.runs_forward or op.target in _MATMULS or op.target == _EMBEDDING_BACKWARD
+        if gatherer is None or not needs_whole:  # in backward, gradients merely added stay slices
             return
         for storage_id in op.inputs:
             row = self.step.storages[storage_id]
             made_inside = row.producer is not None and _within(self.step.ops[row.producer].module, gatherer)
             if made_inside or not self.input_share(op, storage_id).sequence:
                 continue
-            if op.phase is Phase.FORWARD:
+            if op.runs_forward:
                 self.gather_module_input(op, storage_id, gatherer)
             else:
                 self.gather_output_gradient(op, storage_id, gatherer)
             self.gathered[storage_id] = gatherer
-        if op.phase is Phase.FORWARD:
+        if op.runs_forward:
             self.gathered_by[op.module] = gatherer
 
     def gather_module_input(self, op, storage_id: int, module: str) -> None:
@@ -355,13 +355,12 @@ class _TensorParallel:
         cat = self._all_gather_sequence(op, row)
         _, last = self.rw.lifetime(storage_id)
         saved = any(
-            self.step.ops[user].phase is Phase.BACKWARD and _within(self.step.ops[user].module, module)
-            for user in row.users
+            not self.step.ops[user].runs_forward and _within(self.step.ops[user].module, module) for user in row.users
         )
-        end = last if saved else Point(self.forward_end[module], 0)
+        end = last if saved else Point(self._run_end(op.index, module), 0)
         self.rw.add(row.nbytes, row.role if saved else Role.TEMPORARY, cat, end, "gathered sequence", row.dtype)
         keeper = "" if module == self.plan.output_embedding else module
-        self.rw.retime(storage_id, last=Point(self.forward_end[keeper], 0))
+        self.rw.retime(storage_id, last=Point(self._run_end(op.index, keeper), 0))
         if row.role is Role.ACTIVATION:
             self.rw.set_role(storage_id, Role.TEMPORARY)
 
@@ -384,9 +383,9 @@ class _TensorParallel:
         return cat
 
     def _gathering_module(self, op) -> str | None:
-        key = (op.phase, op.module)
+        key = (op.runs_forward, op.module)
         if key not in self._gatherers:
-            patterns = self.forward_gatherers if op.phase is Phase.FORWARD else self.backward_gatherers
+            patterns = self.forward_gatherers if op.runs_forward else self.backward_gatherers
             parts = op.module.split(".")
             prefixes = (".".join(parts[:depth]) for depth in range(len(parts), 0, -1))
             matches = (m for m in prefixes if any(_compiled(p).fullmatch(m) for p in patterns))
@@ -433,7 +432,8 @@ class _TensorParallel:
             row = self.step.storages[storage_id]
             share = self.share.get(storage_id, _REPLICATED)
             made_here = row.producer is not None and self.step.ops[row.producer].module == op.module
-            if share.sliced or share.parameter or made_here or not self._made_in(row, Phase.BACKWARD):
+            gradient = row.producer is not None and not self.step.ops[row.producer].runs_forward
+            if share.sliced or share.parameter or made_here or not gradient:
                 continue
             point = self.rw.before(op.index, "tp.split_gradient", op.module, op.phase)
             sliced = weight.slice()
@@ -515,6 +515,16 @@ class _TensorParallel:
     def _bytes(self, row: StorageRow, share: _Share) -> int:
         return _scaled(row.nbytes, share.fraction)
 
+    def _run_end(self, index: int, scope: str) -> int:
+        """The last op of the forward run (or checkpointed recomputation) of ``scope`` that ``index`` is in."""
+        end = index
+        while end + 1 < len(self.step.ops):
+            following = self.step.ops[end + 1]
+            if not following.runs_forward or not _within(following.module, scope):
+                break
+            end += 1
+        return end
+
     def _made_in(self, row: StorageRow, phase: Phase) -> bool:
         return row.producer is not None and self.step.ops[row.producer].phase is phase
 
@@ -530,19 +540,6 @@ def _compiled(pattern: str) -> re.Pattern[str]:
 
 def _within(module: str, scope: str) -> bool:
     return scope == "" or module == scope or module.startswith(scope + ".")
-
-
-def _forward_ends(step: StepGraph) -> dict[str, int]:
-    """The last forward op of every module (and of every module path prefix)."""
-    ends: dict[str, int] = {"": -1}
-    for op in step.ops:
-        if op.phase is not Phase.FORWARD:
-            continue
-        ends[""] = op.index
-        parts = op.module.split(".") if op.module else []
-        for depth in range(1, len(parts) + 1):
-            ends[".".join(parts[:depth])] = op.index
-    return ends
 
 
 def _scaled(nbytes: int, fraction: Fraction) -> int:

@@ -50,6 +50,7 @@ from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Role
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
+from tracer.tracing import as_eager
 from tracer.training import TrainingSetup
 
 
@@ -86,11 +87,13 @@ def _peak_of_step(
 
     DTensor computes output shapes by running each op on fake global-shape tensors, in the fake mode it
     finds active; on a GPU that is a mode of its own and allocates nothing, so it is made one here too.
+    transformers is told, as in the trace, that fake tensors do not mean graph tracing (``as_eager``).
     FSDP2 on a tensor-parallel model builds a device mesh, whose ranks are a small real tensor, so that is
     done outside the fake mode."""
     with (
         FakeTensorMode(),
         MetaFixes(),
+        as_eager(),
         patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None),
         patch.object(DeviceMesh, "_concatenate", staticmethod(_real_mesh(DeviceMesh._concatenate))),
     ):
@@ -120,6 +123,12 @@ def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTrac
     return tracker
 
 
+def _reshard(after_forward: bool) -> bool | None:
+    """``fully_shard``'s argument: its default (None) reshards every module but the root after forward,
+    which is ZeRO-3 as FSDP2 runs it; False keeps them all unsharded (ZeRO-2)."""
+    return None if after_forward else False
+
+
 def fsdp2_peak(
     model: ResolvedModel,
     setup: TrainingSetup,
@@ -130,16 +139,15 @@ def fsdp2_peak(
 ) -> int:
     """``fully_shard`` on every decoder layer and on the root; fp32 model, or bf16 compute with fp32 reduce."""
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
+    reshard = _reshard(reshard_after_forward)
 
     with fake_process_group(world, rank):
         mesh: DeviceMesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode: it reads its ranks
 
         def parallelize(net: nn.Module) -> None:
             for block in decoder_blocks(net):
-                fully_shard(
-                    net.get_submodule(block), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward
-                )
-            fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+                fully_shard(net.get_submodule(block), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+            fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
 
         return _peak_of_step(model, setup, parallelize)
 
@@ -231,9 +239,10 @@ def tensor_parallel_peak(
             if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
                 net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:
+                reshard = _reshard(reshard_after_forward)
                 for block in structure.blocks:
-                    fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-                fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+                    fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard)
+                fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard)
 
         context = nullcontext if gathered_output else loss_parallel
         wrap = _WithPositions if sequence_parallel else None
@@ -268,8 +277,9 @@ def ddp_peak(
             optimizer = build_optimizer(net, setup, foreach=None)
         step = TrainingStep(ddp, optimizer)
         batch = make_batch(model.config, setup, "cpu")
-        step.run(batch)
-        step.run(batch)  # the reducer rebuilds its buckets in gradient-ready order after the first step
+        micro_steps = setup.grad_accum
+        step.run(batch, micro_steps=micro_steps)
+        step.run(batch, micro_steps=micro_steps)  # the reducer rebuilds its buckets in gradient-ready order
         recorder = StepRecorder(ModuleScope(net), device_type="cpu")
         register_baseline(recorder, step, batch, step_counters_on_host=False)
         if zero_redundancy:  # the states live in the rank's local optimizer
@@ -279,7 +289,7 @@ def ddp_peak(
         for index, buffer in buckets.items():
             recorder.track_existing(buffer, Role.COMMUNICATION, f"bucket {index}")
         with recorder.recording():
-            step.run(batch, on_phase=recorder.enter)
+            step.run(batch, recorder.enter, micro_steps)
         return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes
 
 

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtimes import runtime_peak
 from tiny_models import FAMILIES, tiny_model
 
+from analysis.peak import find_peak, timeline
+from strategies.apply import Rank, apply, traced_setup
+from strategies.layout import Layout
 from tracer.analyze import analyze
+from tracer.graph import build_graph
 from tracer.measure import measure
 from tracer.optimizers import AdamW8bit
 from tracer.quantization import Linear4bit, Linear8bitLt
+from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
-TOLERANCE = 0.001
+TOLERANCE = 0.001  # against eager execution
+STRATEGY_TOLERANCE = 0.01  # against the parallel runtimes, as for the strategies alone
 # Module names that cover every family's attention projections (peft adapts those that exist).
 ATTENTION = ("q_proj", "v_proj", "c_attn", "query_key_value", "qkv_proj", "Wqkv")
 
@@ -124,3 +131,30 @@ def test_quantized_base_runs_and_keeps_the_adapters_trainable(family, quantize):
     report = analyze(tiny_model(family), setup)
     assert 0 < report.trainable_parameter_count < report.parameter_count / 5
     assert report.breakdown["gradients"] < report.breakdown["parameters"]
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "options"),
+    [
+        ("llama", Layout(gpus=4, zero=3), {"grad_checkpointing": "full"}),
+        ("gpt2", Layout(gpus=4, zero=2), {"grad_checkpointing": "full", "reentrant": True}),
+        ("falcon", Layout(gpus=4, zero=3), {"grad_checkpointing": "selective"}),
+        ("llama", Layout(gpus=4, zero=3), {"lora": LoraSetup(targets=ATTENTION)}),
+        ("gpt2", Layout(gpus=4), {"lora": LoraSetup(targets=ATTENTION), "grad_checkpointing": "full"}),
+        ("llama", Layout(gpus=4, zero=1), {"grad_checkpointing": "selective"}),
+        ("llama", Layout(gpus=4), {"grad_accum": 2}),
+        ("llama", Layout(gpus=2, tp=2), {"grad_checkpointing": "full"}),
+        ("gpt_neox", Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_checkpointing": "full"}),
+        ("llama", Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_checkpointing": "selective"}),
+        ("llama", Layout(gpus=4, tp=2, zero=3), {"grad_checkpointing": "full"}),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_variants_compose_with_the_parallel_runtimes(family, layout, options):
+    """Against the runtimes, as in tests/test_strategy_*.py: the recomputation runs inside the sharded step."""
+    model = tiny_model(family, num_attention_heads=8, num_key_value_heads=8)
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
+    runtime = runtime_peak(model, setup, layout, Rank())
+    traced, _ = traced_setup(setup, layout)
+    estimate = find_peak(timeline(apply(build_graph(trace_step(model, traced)), layout, setup, Rank()), rounded=False))
+    assert abs(estimate.bytes - runtime) / runtime <= STRATEGY_TOLERANCE, (estimate.bytes, runtime)

@@ -38,6 +38,10 @@ class ModuleScope:
             handle.remove()
         self._handles = []
 
+    def running_forward(self) -> bool:
+        """Whether a module's forward is running (in backward: activation checkpointing recomputing it)."""
+        return bool(self._stack)
+
     def current(self) -> str:
         """The module path of the op being dispatched now ("" is the model itself)."""
         if self._stack:

@@ -100,7 +100,8 @@ class StepRecorder(TorchDispatchMode):
         outputs = self._ids(tree_leaves(out), index)
         if self.phase is Phase.OPTIMIZER:
             self._inherit_lineage(func, args, out, index)
-        self.ops.append(Op(index, str(func), self.scope.current(), self.phase, inputs, outputs))
+        recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
+        self.ops.append(Op(index, str(func), self.scope.current(), self.phase, inputs, outputs, recompute))
         return out
 
     def _inherit_lineage(self, func, args, out, index: int) -> None:

@@ -28,6 +28,11 @@ class Op:
     phase: Phase
     inputs: tuple[int, ...]  # storage ids read
     outputs: tuple[int, ...]  # storage ids written (new, or existing ones for in-place ops and views)
+    recompute: bool = False  # a forward op run again in backward (activation checkpointing)
+
+    @property
+    def runs_forward(self) -> bool:
+        return self.phase is Phase.FORWARD or self.recompute
 
 
 @dataclass

@@ -51,7 +51,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
-    with FakeTensorMode(), MetaFixes(), _as_eager(), emulation or nullcontext():
+    with FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model")
         net = build_model(config, setup)
         optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
@@ -89,7 +89,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
 
 
 @contextmanager
-def _as_eager() -> Iterator[None]:
+def as_eager() -> Iterator[None]:
     """transformers' mask code reads fake tensors as a sign of graph tracing (``is_tracing``) and then keeps
     causal masks that eager runs skip; the trace stands for an eager run, so that code is told none is going
     on. The one value-dependent question it then asks of this step, whether the positions hold packed
