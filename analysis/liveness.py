@@ -17,18 +17,19 @@ class Lifetime:
     role: Role
 
 
-def lifetimes(step: StepGraph, rounded: bool = True) -> list[Lifetime]:
-    """Lifetimes of the storages that occupy device memory during the step.
+def lifetimes(step: StepGraph, rounded: bool = True, on_device: bool = True) -> list[Lifetime]:
+    """Lifetimes of the storages that occupy device memory during the step (host memory if not
+    ``on_device``).
 
     A storage that existed before the step is live from op 0; one that outlives the step is live to the
-    last op. Host storages and zero-byte storages occupy no device memory and are left out. ``rounded``
-    counts allocator blocks; otherwise the bytes the tensors need (as memory trackers on CPU count).
+    last op. Zero-byte storages occupy nothing and are left out. ``rounded`` counts allocator blocks;
+    otherwise the bytes the tensors need (as memory trackers on CPU count).
     """
     last_op = len(step.ops) - 1
     result = []
     for row in step.storages.values():
         size = row.bytes if rounded else row.nbytes
-        if not row.on_device or size == 0:
+        if row.on_device != on_device or size == 0:
             continue
         first = 0 if row.producer is None else row.producer
         last = last_op if row.freed_after is None else row.freed_after

@@ -55,3 +55,14 @@ def timeline(step: StepGraph, rounded: bool = True) -> Timeline:
 def find_peak(line: Timeline) -> Peak:
     index = max(range(len(line.live)), key=line.total)
     return Peak(index, line.total(index), line.breakdown(index))
+
+
+def host_peak(step: StepGraph) -> int:
+    """The most host memory the step's host-resident storages (offloaded ones) hold at once."""
+    spans = lifetimes(step, rounded=False, on_device=False)
+    events = sorted([(span.first, span.bytes) for span in spans] + [(span.last + 1, -span.bytes) for span in spans])
+    live = peak = 0
+    for _, change in events:
+        live += change
+        peak = max(peak, live)
+    return peak

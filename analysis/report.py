@@ -10,11 +10,11 @@ from typing import Any
 from tabulate import tabulate
 
 from analysis.liveness import lifetimes
-from analysis.peak import Peak, Timeline
+from analysis.peak import Peak, Timeline, host_peak
 from analysis.units import format_bytes, format_count
 from strategies.apply import Rank
 from strategies.layout import Layout
-from tracer.graph import StepGraph
+from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import Trace
 from tracer.training import TrainingSetup
@@ -43,11 +43,39 @@ class MemoryReport:
     layout: Layout = field(default_factory=Layout)
     rank: Rank = field(default_factory=Rank)
     ranks: list[MemoryReport] = field(default_factory=list)  # every distinct rank, for parallel layouts
+    host_peak_bytes: int = 0  # host memory the offloaded storages need
+    transfers: list[Transfer] = field(default_factory=list)  # host <-> device copies per step (offloading)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def pcie(self) -> dict[str, Any]:
+        """Bytes per step each way over the host link and the time they take at ``setup.pcie_gbps``."""
+        per_direction = {
+            direction: sum(t.nbytes for t in self.transfers if t.direction == direction)
+            for direction in (HOST_TO_DEVICE, DEVICE_TO_HOST)
+        }
+        rate = self.setup.pcie_gbps * 1e9
+        return {
+            "link_gb_per_s": self.setup.pcie_gbps,
+            "host_to_device_bytes": per_direction[HOST_TO_DEVICE],
+            "device_to_host_bytes": per_direction[DEVICE_TO_HOST],
+            "host_to_device_seconds": per_direction[HOST_TO_DEVICE] / rate,
+            "device_to_host_seconds": per_direction[DEVICE_TO_HOST] / rate,
+            "transfers": [
+                {
+                    "phase": t.phase.value,
+                    "direction": t.direction,
+                    "bytes": t.nbytes,
+                    "seconds": t.nbytes / rate,
+                    "what": t.what,
+                    "overlaps_with": t.overlaps or None,
+                }
+                for t in self.transfers
+            ],
+        }
 
     def to_json(self) -> dict[str, Any]:
         data = self._rank_json() | {"setup": {**self.setup.to_json(), **self.assumptions}, **self.extra}
-        if self.layout.distributed:
+        if not self.layout.plain:
             data["layout"] = self.layout.to_json()
             data["ranks"] = [report._rank_json() for report in self.ranks]
         return data
@@ -68,7 +96,7 @@ class MemoryReport:
             "largest_at_peak": self.largest_at_peak,
             "parameter_count": self.parameter_count,
             "trainable_parameter_count": self.trainable_parameter_count,
-        }
+        } | ({"host_peak_bytes": self.host_peak_bytes, "pcie": self.pcie()} if self.layout.offload else {})
 
 
 def build_report(
@@ -106,6 +134,8 @@ def build_report(
         kind=kind,
         layout=layout or Layout(),
         rank=rank or Rank(),
+        host_peak_bytes=host_peak(step),
+        transfers=list(step.transfers),
     )
 
 
@@ -122,8 +152,9 @@ def live_groups(step: StepGraph, index: int) -> list[dict[str, Any]]:
         row = step.storages[span.storage_id]
         if row.producer is None:
             key = (span.role.value, "(before the step)", row.name.rpartition(".")[2])
-        else:
-            key = (span.role.value, step.ops[row.producer].target, _LAYER_INDEX.sub(".*", row.module))
+        else:  # storages a strategy inserts carry the name of what they are
+            made_by = _LAYER_INDEX.sub(".*", row.name) if row.name else step.ops[row.producer].target
+            key = (span.role.value, made_by, _LAYER_INDEX.sub(".*", row.module))
         groups[key][0] += span.bytes
         groups[key][1] += 1
     rows = [
@@ -131,6 +162,27 @@ def live_groups(step: StepGraph, index: int) -> list[dict[str, Any]]:
         for (role, made_by, where), (total, count) in groups.items()
     ]
     return sorted(rows, key=lambda row: row["bytes"], reverse=True)
+
+
+def _offload_lines(report: MemoryReport) -> list[str]:
+    pcie = report.pcie()
+    rate = pcie["link_gb_per_s"]
+    grouped: dict[tuple[str, str, str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for transfer in report.transfers:  # one row per kind of copy, layers folded
+        key = (transfer.phase.value, transfer.direction, _LAYER_INDEX.sub(".*", transfer.what), transfer.overlaps)
+        grouped[key][0] += transfer.nbytes
+        grouped[key][1] += 1
+    rows = [
+        (phase, direction, count, format_bytes(nbytes), f"{nbytes / (rate * 1e9):.3f} s", what, overlaps or "no")
+        for (phase, direction, what, overlaps), (nbytes, count) in grouped.items()
+    ]
+    return [
+        f"Host memory for the offloaded storages: {format_bytes(report.host_peak_bytes)} (pinned)",
+        f"Host link per step at {rate:g} GB/s each way: {format_bytes(pcie['host_to_device_bytes'])} to the GPU "
+        f"({pcie['host_to_device_seconds']:.3f} s), {format_bytes(pcie['device_to_host_bytes'])} to the host "
+        f"({pcie['device_to_host_seconds']:.3f} s)",
+        tabulate(rows, headers=["phase", "direction", "copies", "bytes", "time", "what", "overlaps with"]),
+    ]
 
 
 def _ranks_table(report: MemoryReport) -> str:
@@ -154,7 +206,7 @@ def render_text(report: MemoryReport) -> str:
     where = report.peak_module or "(model top level)"
     title = "Estimated" if report.kind == "estimate" else "Measured"
     layout = report.layout
-    scope = f"per GPU, {layout.describe()}" if layout.distributed else "on one GPU"
+    scope = "on one GPU" if layout.plain else f"per GPU, {layout.describe()}"
     lines = [
         f"{report.model_id}: one fine-tuning step {scope} ({format_count(report.parameter_count)} parameters,"
         f" {format_count(report.trainable_parameter_count)} trainable)",
@@ -184,6 +236,8 @@ def render_text(report: MemoryReport) -> str:
             for row in report.largest_at_peak
         ]
         lines.append(tabulate(rows, headers=["memory", "tensors", "category", "made by", "where"], colalign=("right",)))
+    if report.layout.offload:
+        lines += ["", *_offload_lines(report)]
     lines += ["", "Assumptions:"]
     setup = report.to_json()["setup"]
     lines.append(

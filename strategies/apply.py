@@ -42,7 +42,7 @@ class Rank:
 def check_layout(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> None:
     """Refuse, before any tracing, a layout this model or step cannot be split into."""
     layout.check_model(config)
-    sharded = layout.tp > 1 or (layout.dp > 1 and (layout.zero >= 2 or layout.engine == "deepspeed"))
+    sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
     if setup.grad_accum > 1 and sharded:
         raise UserError(
             "--grad-accum with FSDP, DeepSpeed or tensor parallelism is not modelled yet (only one GPU, DDP and "
@@ -69,7 +69,7 @@ def traced_setup(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, s
     weights in the shards (FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``), so its step
     is the one with low-precision parameters, not autocast over fp32 ones.
     """
-    if not setup.mixed_precision or layout.dp == 1:
+    if not setup.mixed_precision or not (layout.dp > 1 or layout.zero):
         return setup, None
     low = setup.mixed_precision
     if layout.engine == "deepspeed":
@@ -83,7 +83,7 @@ def traced_setup(setup: TrainingSetup, layout: Layout) -> tuple[TrainingSetup, s
 
 def runtime_assumptions(layout: Layout) -> dict[str, str]:
     """What the estimate assumes about each runtime the layout uses, for the report."""
-    if not layout.distributed:
+    if layout.plain:
         return {}
     notes = {"layout": layout.describe()}
     if layout.tp > 1:
@@ -112,7 +112,7 @@ def runtime_assumptions(layout: Layout) -> dict[str, str]:
             f"fully_shard on each decoder layer and on the root, reshard_after_forward={layout.zero == 3}, "
             "one unit prefetched in backward, one reduce-scatter input held"
         )
-    if layout.dp > 1 and layout.engine == "deepspeed":
+    if layout.zero and layout.engine == "deepspeed":
         notes["data_parallel"] = (
             f"DeepSpeed ZeRO-{layout.zero} defaults: reduce_bucket_size {REDUCE_BUCKET_SIZE:.0e}"
             + (
@@ -157,10 +157,12 @@ def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> 
         gathered = layout.tp_output == "gathered"
         plan = megatron_plan(step.structure, layout.tp, rank.tp, gathered, sequence_length=sequence)
         step = tensor_parallel(step, plan)
+    offload_params = layout.offload == "optimizer,params"
+    if layout.engine == "deepspeed" and layout.zero:
+        plan = DeepSpeedPlan(layout.zero, layout.dp, rank.dp, layout.offload is not None, offload_params)
+        return deepspeed(step, plan)
     if layout.dp == 1:
         return step
-    if layout.engine == "deepspeed":
-        return deepspeed(step, DeepSpeedPlan(stage=layout.zero, world=layout.dp, rank=rank.dp))
     if layout.zero == 0:
         return ddp(step)
     if layout.zero == 1:
@@ -170,5 +172,6 @@ def apply(step: StepGraph, layout: Layout, setup: TrainingSetup, rank: Rank) -> 
         rank=rank.dp,
         reshard_after_forward=layout.zero == 3,
         mixed_precision=setup.mixed_precision is not None,
+        offload=offload_params,
     )
     return fsdp(step, plan)

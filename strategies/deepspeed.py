@@ -30,7 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from strategies.rewrite import Point, Rewrite, unit_windows
-from tracer.graph import StepGraph, StorageRow
+from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
 
@@ -50,14 +50,18 @@ class DeepSpeedPlan:
     stage: int  # 1, 2 or 3
     world: int  # size of the data-parallel group
     rank: int = 0
+    offload_optimizer: bool = False  # offload_optimizer.device = "cpu" (ZeRO-Offload)
+    offload_params: bool = False  # offload_param.device = "cpu" (ZeRO-Infinity, stage 3 only)
 
 
 def deepspeed(step: StepGraph, plan: DeepSpeedPlan) -> StepGraph:
     """The step of rank ``plan.rank`` under DeepSpeed ZeRO ``plan.stage``."""
     if plan.stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage {plan.stage} is not one of 1, 2, 3")
-    if plan.world < 2:
-        raise ValueError("ZeRO needs a data-parallel group of at least 2 ranks")
+    if plan.world < 2 and not plan.offload_optimizer:
+        raise ValueError("ZeRO without offload needs a data-parallel group of at least 2 ranks")
+    if plan.offload_params and plan.stage != 3:
+        raise ValueError("parameters are offloaded by ZeRO stage 3 only")
     return _DeepSpeed(step, plan).build()
 
 
@@ -87,6 +91,9 @@ class _DeepSpeed:
         self.bytes = element_size(self.dtype)
         self.gradients = [row for row in step.storages.values() if row.role is Role.GRADIENT]
         self.backward = _span(step, Phase.BACKWARD)
+        self._optimizer_storages: list[int] = []  # what the optimizer keeps and makes, offloaded with it
+        self._fetched: dict[Phase, dict[str, int]] = {phase: defaultdict(int) for phase in Phase}
+        self._update_temporaries: list[int] = []
         self.optimizer = _span(step, Phase.OPTIMIZER)
         trained = {name: numel for name, numel in self.numel.items() if name in trainable}
         self.total = sum(trained.values())
@@ -100,7 +107,55 @@ class _DeepSpeed:
         if self.plan.stage == 3:
             self.partition_parameters()
         self.gradient_buckets()
+        if self.plan.offload_optimizer:
+            self.offload_optimizer()
+        if self.plan.offload_params:
+            self.offload_parameters()
         return self.rw.build()
+
+    # ZeRO-Offload and ZeRO-Infinity.
+
+    def offload_optimizer(self) -> None:
+        """The optimizer steps on the CPU (``DeepSpeedCPUAdam``, which ZeRO-Offload requires by default:
+        ``zero_force_ds_cpu_optimizer``; its kernel updates in place): the fp32 partition (master weights,
+        states, gradient) lives in pinned host memory, with a 16-bit copy of the partition to send the
+        updated weights back (``param_buffer_of_bit16_for_cpu_offload_groups``). Reduced gradients go to the
+        host as they come, through a staging buffer the size of the largest parameter on each side
+        (``temp_grad_buffer_for_gpu_offload`` and ``..._for_cpu_offload``, stages 1 and 2)."""
+        for storage_id in self._optimizer_storages:
+            self.rw.to_host(storage_id)
+        for storage_id in self._update_temporaries:  # DeepSpeedCPUAdam updates the partition in place
+            self.rw.resize(storage_id, 0)
+        part = self.partition * self.bytes
+        self.rw.transfers += [
+            Transfer(Phase.BACKWARD, DEVICE_TO_HOST, part, "reduced gradients into the fp32 partition", "backward"),
+            Transfer(Phase.OPTIMIZER, HOST_TO_DEVICE, part, "updated 16-bit partition", ""),
+        ]
+        largest = max(self.numel.values()) * self.bytes
+        self.rw.add(
+            self.partition * self.bytes,
+            Role.OPTIMIZER_STATE,
+            None,
+            None,
+            "16-bit partition",
+            self.dtype,
+            on_device=False,
+        )
+        if self.plan.stage != 3:
+            self.rw.add(largest, Role.COMMUNICATION, None, None, "gradient offload staging", self.dtype)
+            self.rw.add(
+                largest, Role.COMMUNICATION, None, None, "gradient offload staging (host)", self.dtype, on_device=False
+            )
+
+    def offload_parameters(self) -> None:
+        """The 16-bit partitions of the parameters live in host memory; each fetch first copies the module's
+        partitions to the device, then gathers them."""
+        for name in self._partitioned():
+            self.rw.to_host(self.params[name].id)
+        for phase in (Phase.FORWARD, Phase.BACKWARD):
+            fetched = sum(self._fetched[phase].values())
+            what = f"parameter partitions fetched in {phase.value}"
+            self.rw.transfers.append(Transfer(phase, HOST_TO_DEVICE, fetched, what, f"{phase.value} (prefetch)"))
 
     # The optimizer on the fp32 partition.
 
@@ -116,11 +171,18 @@ class _DeepSpeed:
             elif _made_in(self.step, row, Phase.OPTIMIZER):  # update temporaries, now of the fp32 partition
                 element = row.nbytes // self.numel[row.param] * FLOAT32_BYTES // self.bytes
                 self.rw.resize(row.id, self.numel[row.param] * self.partition // self.total * element)
+                self._update_temporaries.append(row.id)
         part32 = self.partition * FLOAT32_BYTES
-        self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, "fp32 master partition", "float32")
+        kept = [self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, "fp32 master partition", "float32")]
         for kind in states:
-            self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, f"{kind} of the partition", "float32")
+            kept.append(self.rw.add(part32, Role.OPTIMIZER_STATE, None, None, f"{kind} of the partition", "float32"))
+        self._optimizer_storages += kept
         if self.plan.stage == 3:  # the fp32 gradient partitions are kept all along (gradient_buckets)
+            return
+        if self.plan.offload_optimizer:  # reduced gradients accumulate straight into a pinned fp32 partition
+            self._optimizer_storages.append(
+                self.rw.add(part32, Role.GRADIENT, None, None, "fp32 gradient partition", "float32")
+            )
             return
         flat = self.rw.before(first, "deepspeed.flatten_gradient_partition", "", Phase.OPTIMIZER)
         cast = self.rw.before(first, "deepspeed.gradient_partition_to_fp32", "", Phase.OPTIMIZER)
@@ -135,7 +197,8 @@ class _DeepSpeed:
         if stage == 3:
             self.rw.add(bucket, Role.COMMUNICATION, None, None, "gradient bucket", self.dtype)
             part = self.partition * FLOAT32_BYTES
-            self.rw.add(part, Role.GRADIENT, None, None, "fp32 gradient partitions", "float32")
+            partitions = self.rw.add(part, Role.GRADIENT, None, None, "fp32 gradient partitions", "float32")
+            self._optimizer_storages.append(partitions)
         else:
             self.rw.add(bucket, Role.COMMUNICATION, Point(backward_first, 0), step_end, "gradient bucket", self.dtype)
         if stage == 1:  # full gradients until backward ends, then reduced through the bucket
@@ -147,7 +210,7 @@ class _DeepSpeed:
                 point = self.rw.after(row.producer, "deepspeed.copy_into_bucket", row.module, Phase.BACKWARD)
                 self.rw.retime(row.id, last=point)
             reduced = self.rw.after(self._first_bucket_reduce(), "deepspeed.reduce_bucket", "", Phase.BACKWARD)
-        if stage != 3:
+        if stage != 3 and not self.plan.offload_optimizer:
             part = self.partition * self.bytes
             self.rw.add(part, Role.GRADIENT, reduced, step_end, "gradient partition", self.dtype)
 
@@ -199,6 +262,10 @@ class _DeepSpeed:
 
     def _gather(self, names: list[str], point: Point, module: str) -> int:
         size = sum(self.numel[name] for name in names) * self.bytes
+        if self.plan.offload_params:  # the rank's partitions come over from the host first
+            copied = sum(parameter_partition_numel(self.numel[name], self.plan.world) for name in names) * self.bytes
+            self.rw.add(copied, Role.COMMUNICATION, point, point, f"{module} (partition from host)", self.dtype)
+            self._fetched[self.step.ops[point.original].phase][module] += copied
         return self.rw.add(size, Role.PARAMETER, point, None, f"{module} (gathered)", self.dtype)
 
     def _prefetch(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
-from tracer.graph import StepGraph, StorageRow
+from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
 
@@ -44,6 +44,7 @@ class FsdpPlan:
     rank: int = 0
     reshard_after_forward: bool = True
     mixed_precision: bool = False  # MixedPrecisionPolicy(param_dtype=<traced dtype>, reduce_dtype=float32)
+    offload: bool = False  # CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host
 
 
 def fsdp(step: StepGraph, plan: FsdpPlan) -> StepGraph:
@@ -97,6 +98,10 @@ class _Fsdp:
                 if _numel(row.shape) > 1 and row.nbytes % numel == 0:
                     element = row.nbytes // numel * self.master(name) // self.compute[name]
                     self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element)
+            else:
+                continue
+            if self.plan.offload:
+                self.rw.to_host(row.id)
 
     def forward(self) -> None:
         held = None
@@ -139,6 +144,12 @@ class _Fsdp:
 
     def all_gather(self, unit: str, point: Point) -> _Gather:
         names = self.units[unit]
+        if self.plan.offload:  # each shard is copied to the device first (FSDPParam.all_gather_inputs)
+            copied = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
+            self.rw.add(copied, Role.COMMUNICATION, point, point, f"shards from host {unit or 'root'}", "")
+            phase = self.step.ops[point.original].phase
+            what = f"parameter shards of {unit or 'the root'}"
+            self.rw.transfers.append(Transfer(phase, HOST_TO_DEVICE, copied, what, f"{phase.value} (prefetch)"))
         if self.plan.mixed_precision:  # local shards copied into one flat buffer of the compute dtype
             copy_in = sum(self.shards[n].padded_shard_numel * self.compute[n] for n in names)
             self.rw.add(copy_in, Role.COMMUNICATION, point, point, f"all-gather input {unit or 'root'}", "")
@@ -176,14 +187,20 @@ class _Fsdp:
         for row in self.grads[unit]:
             rw.retime(row.id, last=reduce_in)
         reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
+        sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
+        kept_until = None if zero_grad is None else Point(zero_grad, 0)
         sharded = rw.add(
-            sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names),
-            Role.GRADIENT,
-            reduce_out,
-            None if zero_grad is None else Point(zero_grad, 0),
-            f"sharded gradients {unit or 'root'}",
-            "",
+            sharded_bytes, Role.GRADIENT, reduce_out, kept_until, f"sharded gradients {unit or 'root'}", ""
         )
+        if self.plan.offload:  # copied to the host as soon as reduced (foreach_reduce), freed on the device
+            to_host = rw.after(last, "fsdp.gradients_to_host", unit, Phase.BACKWARD)
+            rw.retime(sharded, last=to_host)
+            sizes = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
+            name = f"sharded gradients {unit or 'root'} (host)"
+            rw.add(sizes, Role.GRADIENT, to_host, kept_until, name, "", on_device=False)
+            what = f"sharded gradients of {unit or 'the root'}"
+            rw.transfers.append(Transfer(Phase.BACKWARD, DEVICE_TO_HOST, sharded_bytes, what, "backward"))
+            return
         if any(self.reduce(n) != self.master(n) for n in names):
             cast = rw.after(last, "fsdp.cast_gradients", unit, Phase.BACKWARD)
             rw.retime(sharded, last=cast)

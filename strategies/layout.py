@@ -14,6 +14,7 @@ from tracer.errors import UserError
 ENGINES = ("fsdp", "deepspeed")
 TP_OUTPUTS = ("parallel", "gathered")
 ZERO_STAGES = (0, 1, 2, 3)
+OFFLOADS = ("optimizer", "optimizer,params")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Layout:
     engine: str = "fsdp"
     sequence_parallel: bool = False
     tp_output: str = "parallel"
+    offload: str | None = None  # what lives in host memory: the optimizer step, or that and the parameters
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -42,7 +44,9 @@ class Layout:
             raise UserError(f"--engine must be fsdp or deepspeed (got {self.engine!r}).")
         if self.tp_output not in TP_OUTPUTS:
             raise UserError(f"--tp-output must be parallel or gathered (got {self.tp_output!r}).")
-        if self.zero and self.dp == 1:
+        if self.offload is not None:
+            self._check_offload()
+        if self.zero and self.dp == 1 and not (self.offload and self.engine == "deepspeed"):
             raise UserError(
                 f"--zero {self.zero} shards over the data-parallel group, which is a single GPU with --gpus "
                 f"{self.gpus} --tp {self.tp}. Use more GPUs or --zero 0."
@@ -55,13 +59,29 @@ class Layout:
         if self.tp == 1 and (self.sequence_parallel or self.tp_output != "parallel"):
             raise UserError("--sequence-parallel and --tp-output apply to tensor parallelism: add --tp 2 or more.")
 
+    def _check_offload(self) -> None:
+        if self.offload not in OFFLOADS:
+            raise UserError(f"--offload must be optimizer or optimizer,params (got {self.offload!r}).")
+        if self.engine == "deepspeed":
+            if self.zero == 0:
+                raise UserError("DeepSpeed offloads with ZeRO: add --zero 1, 2 or 3 (ZeRO-Offload).")
+            if self.offload == "optimizer,params" and self.zero != 3:
+                raise UserError("DeepSpeed offloads parameters with ZeRO-3 only: use --zero 3.")
+            return
+        if self.zero != 3 or self.offload != "optimizer,params":
+            raise UserError(
+                "PyTorch offloads with FSDP2's CPUOffloadPolicy, which moves the parameters, gradients and "
+                "optimizer step to the host: use --zero 3 --offload optimizer,params, or --engine deepspeed."
+            )
+
     @property
     def dp(self) -> int:
         return self.gpus // self.tp
 
     @property
-    def distributed(self) -> bool:
-        return self.gpus > 1
+    def plain(self) -> bool:
+        """One GPU, no ZeRO: the traced step as it is."""
+        return self.gpus == 1 and not self.zero
 
     def check_model(self, config: PretrainedConfig) -> None:
         """Refuse layouts the model cannot be split into."""
@@ -89,7 +109,8 @@ class Layout:
             )
 
     def describe(self) -> str:
-        if not self.distributed:
+        offload = f", {self.offload.replace(',', ' and ')} offloaded to the CPU" if self.offload else ""
+        if self.plain:
             return "1 GPU"
         parts = []
         if self.tp > 1:
@@ -98,7 +119,9 @@ class Layout:
             parts.append(f"tensor parallel {self.tp}{sequence}{gathered}")
         if self.dp > 1:
             parts.append(f"{self.data_parallel_name()} over {self.dp}")
-        return f"{self.gpus} GPUs: " + " x ".join(parts)
+        elif self.zero:
+            parts.append(self.data_parallel_name())
+        return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: " + " x ".join(parts) + offload
 
     def data_parallel_name(self) -> str:
         if self.zero == 0:

@@ -33,6 +33,7 @@ class Rewrite:
             row.id: (row, _point(row.producer), _point(row.freed_after)) for row in step.storages.values()
         }
         self._next_id = max(step.storages, default=-1) + 1
+        self.transfers = list(step.transfers)
 
     @property
     def last(self) -> Point:
@@ -56,6 +57,11 @@ class Rewrite:
         row, first, last = self._rows[storage_id]
         row = replace(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype, shape=shape or row.shape)
         self._rows[storage_id] = (row, first, last)
+
+    def to_host(self, storage_id: int) -> None:
+        """The storage lives in host memory instead (offloaded)."""
+        row, first, last = self._rows[storage_id]
+        self._rows[storage_id] = (replace(row, on_device=False), first, last)
 
     def set_role(self, storage_id: int, role: Role) -> None:
         row, first, last = self._rows[storage_id]
@@ -84,8 +90,10 @@ class Rewrite:
         name: str,
         dtype: str,
         param: str | None = None,
+        on_device: bool = True,
     ) -> int:
-        """A new storage live from ``first`` to ``last`` (None: from before the step / past its end)."""
+        """A new storage live from ``first`` to ``last`` (None: from before the step / past its end); in
+        host memory if not ``on_device``."""
         storage_id = self._next_id
         self._next_id += 1
         row = StorageRow(
@@ -99,7 +107,7 @@ class Rewrite:
             freed_after=None,
             users=(),
             module="",
-            on_device=True,
+            on_device=on_device,
             name=name,
             param=param,
         )
@@ -125,7 +133,7 @@ class Rewrite:
                 freed_after=None if last is None else index_of[last],
                 users=tuple(renumbered[u] for u in row.users),
             )
-        return StepGraph(ops=ops, storages=rows, structure=self.step.structure)
+        return StepGraph(ops=ops, storages=rows, structure=self.step.structure, transfers=self.transfers)
 
 
 def _point(index: int | None) -> Point | None:

@@ -36,6 +36,6 @@ def analyze(
         line = timeline(rank_step)
         reports.append(build_report(model.model_id, setup, trace, rank_step, line, find_peak(line), layout, rank))
     worst = max(reports, key=lambda report: report.peak_bytes)
-    if layout.distributed:
+    if not layout.plain:
         worst.ranks = reports
     return worst

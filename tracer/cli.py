@@ -16,6 +16,7 @@ from tracer.training import (
     DTYPES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
+    PCIE_4_X16_GBPS,
     LoraSetup,
     Target,
     TrainingSetup,
@@ -165,7 +166,7 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
-    from strategies.layout import ENGINES, TP_OUTPUTS, ZERO_STAGES
+    from strategies.layout import ENGINES, OFFLOADS, TP_OUTPUTS, ZERO_STAGES
 
     group = parser.add_argument_group(
         "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
@@ -201,6 +202,20 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --tp: shard the norms, residual stream and dropout along the sequence (Megatron SP)",
     )
     group.add_argument(
+        "--offload",
+        choices=OFFLOADS,
+        default=None,
+        help="keep in host memory: optimizer = the optimizer step and its state (DeepSpeed ZeRO-Offload, any "
+        "--zero, one GPU included); optimizer,params = that and the parameters (DeepSpeed ZeRO-Infinity with "
+        "--zero 3, or FSDP2's CPUOffloadPolicy with --zero 3); reports host memory and PCIe traffic",
+    )
+    group.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=PCIE_4_X16_GBPS,
+        help=f"host link bandwidth each way in GB/s, for transfer times (default {PCIE_4_X16_GBPS}: PCIe 4.0 x16)",
+    )
+    group.add_argument(
         "--tp-output",
         choices=TP_OUTPUTS,
         default="parallel",
@@ -220,6 +235,7 @@ def _layout(args: argparse.Namespace):
         engine=args.engine,
         sequence_parallel=args.sequence_parallel,
         tp_output=args.tp_output,
+        offload=args.offload,
     )
 
 
@@ -246,6 +262,7 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         quantize=quantize,
         grad_accum=args.grad_accum,
         optimizer_impl=args.optimizer_impl,
+        pcie_gbps=getattr(args, "pcie_gbps", PCIE_4_X16_GBPS),
     )
 
 

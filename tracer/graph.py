@@ -10,7 +10,7 @@ from functools import cached_property
 import networkx as nx
 
 from analysis.allocator import block_size
-from tracer.roles import Role
+from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op, Trace
 
 
@@ -31,11 +31,27 @@ class StorageRow:
     param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
 
 
+HOST_TO_DEVICE = "host to device"
+DEVICE_TO_HOST = "device to host"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes a strategy moves between host and device memory in one step (offloading)."""
+
+    phase: Phase
+    direction: str  # HOST_TO_DEVICE or DEVICE_TO_HOST
+    nbytes: int
+    what: str
+    overlaps: str  # what the copy can run alongside, or "" if the step waits for it
+
+
 @dataclass
 class StepGraph:
     ops: list[Op]
     storages: dict[int, StorageRow]
     structure: ModelStructure = field(default_factory=ModelStructure)
+    transfers: list[Transfer] = field(default_factory=list)
 
     @cached_property
     def graph(self) -> nx.DiGraph:

@@ -24,6 +24,8 @@ OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")  # torch.optim's implementati
 ATTENTIONS = ("sdpa", "eager")
 CHECKPOINTING = ("full", "selective")  # every decoder layer, or the attention of every decoder layer
 QUANTIZATIONS = ("nf4", "int8")  # bitsandbytes storage of the frozen base weights (QLoRA, LLM.int8())
+# PCIe 4.0 x16: 16 GT/s per lane x 16 lanes x 128/130 encoding = 31.5 GB/s each way (PCI-SIG, PCIe 4.0 base spec).
+PCIE_4_X16_GBPS = 31.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class TrainingSetup:
     quantize: str | None = None
     grad_accum: int = 1
     optimizer_impl: str | None = None  # None: torch's default for the device
+    pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -101,6 +104,8 @@ class TrainingSetup:
                     "--qlora and --load-in-8bit compute in --dtype bf16 or fp16 (their compute dtype); "
                     "pass --dtype bf16."
                 )
+        if self.pcie_gbps <= 0:
+            raise UserError(f"--pcie-gbps must be positive (got {self.pcie_gbps}).")
         if self.optimizer_impl is not None:
             if self.optimizer_impl not in OPTIMIZER_IMPLS:
                 raise UserError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}.")
