@@ -207,11 +207,17 @@ def render_text(report: MemoryReport) -> str:
     title = "Estimated" if report.kind == "estimate" else "Measured"
     layout = report.layout
     scope = "on one GPU" if layout.plain else f"per GPU, {layout.describe()}"
-    lines = [
-        f"{report.model_id}: one fine-tuning step {scope} ({format_count(report.parameter_count)} parameters,"
-        f" {format_count(report.trainable_parameter_count)} trainable)",
-        "",
-    ]
+    setup = report.setup
+    if setup.mode == "inference":
+        what = f"inference (prefill of {setup.seq_len:,} tokens, decode up to {setup.max_new_tokens:,} more)"
+        counts = f"{format_count(report.parameter_count)} parameters"
+    else:
+        what = "one fine-tuning step"
+        counts = (
+            f"{format_count(report.parameter_count)} parameters, "
+            f"{format_count(report.trainable_parameter_count)} trainable"
+        )
+    lines = [f"{report.model_id}: {what} {scope} ({counts})", ""]
     if len(report.ranks) > 1:
         lines += ["Distinct ranks (breakdown at each one's peak):", _ranks_table(report), ""]
         lines += [f"The busiest rank is rank {report.rank.global_rank(layout)}:"]
@@ -239,9 +245,9 @@ def render_text(report: MemoryReport) -> str:
     if report.layout.offload:
         lines += ["", *_offload_lines(report)]
     lines += ["", "Assumptions:"]
-    setup = report.to_json()["setup"]
+    assumed = report.to_json()["setup"]
     lines.append(
-        tabulate([(key, "none" if value is None else value) for key, value in setup.items()], tablefmt="plain")
+        tabulate([(key, "none" if value is None else value) for key, value in assumed.items()], tablefmt="plain")
     )
     for key, value in report.extra.items():
         lines.append(f"{key}: {value}")

@@ -41,6 +41,11 @@ class Rank:
 
 def check_layout(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> None:
     """Refuse, before any tracing, a layout this model or step cannot be split into."""
+    if setup.mode == "inference" and (not layout.plain or layout.offload):
+        raise UserError(
+            "--mode inference is modelled on one GPU: drop --gpus, --tp, --zero and --offload (a data-parallel "
+            "replica serving its own requests needs what one GPU needs)."
+        )
     layout.check_model(config)
     sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
     if setup.grad_accum > 1 and sharded:

@@ -23,7 +23,7 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
     if step.scaler is not None:
         for name in GRAD_SCALER_STATE:
             recorder.track_existing(getattr(step.scaler, name), Role.OPTIMIZER_STATE, f"GradScaler.{name}")
-    for param, state in optimizer.state.items():
+    for param, state in optimizer.state.items() if optimizer is not None else ():
         param_name = names[id(param)]
         for key, value in state.items():
             if isinstance(value, torch.Tensor):

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from tracer.errors import UserError
 from tracer.training import (
     ATTENTIONS,
+    CACHES,
     CHECKPOINTING,
     DTYPES,
+    MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
     PCIE_4_X16_GBPS,
@@ -53,6 +55,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_step_arguments(analyze)
     _add_layout_arguments(analyze)
+    analyze.add_argument_group("sweep").add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="AXIS=V1,V2",
+        default=None,
+        help="estimate every combination of these values instead of one setup and print a table, e.g. "
+        "--sweep seq-len=512,2048,8192 batch=1,8,32; axes: batch, seq-len, max-new-tokens (inference); with "
+        "--target cuda, also which fit --gpu and the largest of each axis that does",
+    )
     analyze.set_defaults(run=_run_analyze)
 
     measure = commands.add_parser(
@@ -126,6 +137,36 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     _add_variant_arguments(parser)
+    _add_inference_arguments(parser)
+
+
+def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("inference", "With --mode inference: generation instead of a training step.")
+    group.add_argument(
+        "--mode",
+        choices=MODES,
+        default="train",
+        help="train (default): one training step; inference: under no_grad, the prefill of a --seq-len prompt and "
+        "the decode step of the last of --max-new-tokens tokens, with a KV cache",
+    )
+    group.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated after the prompt (default 1)")
+    group.add_argument(
+        "--cache", choices=CACHES, default="dynamic", help="transformers' DynamicCache (default) or StaticCache"
+    )
+    group.add_argument(
+        "--logits-to-keep",
+        type=int,
+        default=0,
+        help="prefill computes the logits of the last N positions only; 0 (default) is the forward's default, all "
+        "positions; generate() passes 1 for models that accept it",
+    )
+    group.add_argument(
+        "--quantize",
+        choices=("int8", "int4", "nf4"),
+        default=None,
+        help="weights stored as bitsandbytes stores them: LLM.int8(), FP4 or NF4 (blocksize 64, double "
+        "quantization); compute in --dtype bf16 or fp16",
+    )
 
 
 def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
@@ -205,6 +246,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         "--offload",
         choices=OFFLOADS,
         default=None,
+        metavar="KIND",
         help="keep in host memory: optimizer = the optimizer step and its state (DeepSpeed ZeRO-Offload, any "
         "--zero, one GPU included); optimizer,params = that and the parameters (DeepSpeed ZeRO-Infinity with "
         "--zero 3, or FSDP2's CPUOffloadPolicy with --zero 3); reports host memory and PCIe traffic",
@@ -241,8 +283,10 @@ def _layout(args: argparse.Namespace):
 
 def _setup(args: argparse.Namespace) -> TrainingSetup:
     quantize = "nf4" if args.qlora else "int8" if args.load_in_8bit else None
+    if args.quantize:
+        quantize = "fp4" if args.quantize == "int4" else args.quantize
     lora = None
-    if args.lora_r is not None or quantize:
+    if args.lora_r is not None or args.qlora or args.load_in_8bit:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
         lora = LoraSetup(
             r=args.lora_r or LoraSetup.r, alpha=args.lora_alpha, targets=targets, dropout=args.lora_dropout
@@ -263,6 +307,10 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         grad_accum=args.grad_accum,
         optimizer_impl=args.optimizer_impl,
         pcie_gbps=getattr(args, "pcie_gbps", PCIE_4_X16_GBPS),
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        cache=args.cache,
+        logits_to_keep=args.logits_to_keep,
     )
 
 
@@ -274,8 +322,10 @@ def _run_analyze(args: argparse.Namespace) -> int:
 
     setup = _setup(args)
     layout = _layout(args)
-    find_gpu(setup.gpu)
+    gpu = find_gpu(setup.gpu)
     model = resolve_model(args.model)
+    if args.sweep:
+        return _run_sweep(args, model, setup, layout, gpu if setup.target is Target.CUDA else None)
     _warn_about_length(model, setup)
     start = time.perf_counter()
     stages: list[str] = []
@@ -284,10 +334,37 @@ def _run_analyze(args: argparse.Namespace) -> int:
         _progress(args, (", " if stages else " ") + stage, end="")
         stages.append(stage)
 
-    _progress(args, f"Tracing one training step of {model.model_id} on fake tensors:", end="")
-    report = analyze(model, setup, layout, progress=on_stage)
+    what = "inference" if setup.mode == "inference" else "one training step"
+    _progress(args, f"Tracing {what} of {model.model_id} on fake tensors:", end="")
+    try:
+        report = analyze(model, setup, layout, progress=on_stage)
+    except UserError:
+        _progress(args, "")  # end the progress line before the error
+        raise
     _progress(args, f"; done in {time.perf_counter() - start:.1f} s.")
     print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, model, setup: TrainingSetup, layout, gpu) -> int:
+    import dataclasses
+
+    from tracer.sweep import parse_sweep, render_sweep, run_sweep, sweep_json
+
+    axes = parse_sweep(args.sweep, setup.mode)
+    longest = dict(seq_len=max(axes.get("seq-len", (setup.seq_len,))))
+    _warn_about_length(model, dataclasses.replace(setup, **longest))
+    start = time.perf_counter()
+
+    def on_point(done: int, total: int, values: dict[str, int]) -> None:
+        point = ", ".join(f"{name} {value}" for name, value in values.items())
+        _progress(args, f"[{done + 1}/{total}] tracing {point} ({time.perf_counter() - start:.0f} s so far)")
+
+    grid = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items())
+    _progress(args, f"Sweeping {grid} values of {model.model_id}, one trace each:")
+    sweep = run_sweep(model, setup, layout, axes, gpu, on_point)
+    _progress(args, f"done in {time.perf_counter() - start:.1f} s.")
+    print(json.dumps(sweep_json(sweep), indent=2) if args.json else render_sweep(sweep, model.model_id))
     return 0
 
 
@@ -300,7 +377,8 @@ def _run_measure(args: argparse.Namespace) -> int:
     require_device(setup.target)
     model = resolve_model(args.model)
     _warn_about_length(model, setup)
-    _progress(args, f"Running two real training steps of {model.model_id} on {setup.target.value} ...")
+    what = "generations" if setup.mode == "inference" else "training steps"
+    _progress(args, f"Running two real {what} of {model.model_id} on {setup.target.value} ...")
     report = measure(model, setup)
     print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
     return 0

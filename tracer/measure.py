@@ -20,6 +20,7 @@ from tracer.analyze import analyze
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
+from tracer.inference import InferenceStep
 from tracer.modules import ModuleScope, count_parameters
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
@@ -58,7 +59,7 @@ def require_device(target: Target) -> None:
 
 
 def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
-    """Run two real training steps and report the memory of the second."""
+    """Run two real training steps (or generations) and report the memory of the second."""
     require_device(setup.target)
     cuda = setup.target is Target.CUDA
     model = resolve_model(model) if isinstance(model, str) else model
@@ -67,8 +68,12 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     torch.manual_seed(0)
     with device:
         net = build_model(model.config, setup)
-    optimizer = build_optimizer(net, setup, foreach=None)
     batch = make_batch(model.config, setup, device)
+    if setup.mode == "inference":
+        step = InferenceStep(net, model.config, setup)
+        step.run(batch)  # warm up as for training: first-call allocations are not the steady state
+        return _measure_step(model, setup, step, batch, device)
+    optimizer = build_optimizer(net, setup, foreach=None)
     autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
     scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
     step = TrainingStep(net, optimizer, scaler=scaler, **({"autocast": autocast} if autocast else {}))
@@ -107,7 +112,11 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     with recorder.recording():
-        stepped = _stepped(lambda: step.run(batch, recorder.enter, setup.grad_accum), step.scaler)
+        if setup.mode == "inference":
+            step.run(batch, recorder.enter, recorder=recorder)
+            stepped = True
+        else:
+            stepped = _stepped(lambda: step.run(batch, recorder.enter, setup.grad_accum), step.scaler)
     if not stepped:
         return None
     trace = recorder.trace()

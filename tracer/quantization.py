@@ -15,6 +15,8 @@ from transformers.pytorch_utils import Conv1D
 NF4_BLOCKSIZE = 64  # Linear4bit's blocksize (and BitsAndBytesConfig's default)
 NESTED_BLOCKSIZE = 256  # the absmax of each NF4 block, quantized again in blocks of 256 (compress_statistics)
 NF4_CODE_SIZE = 16  # the NF4 code book, float32
+# gemm_4bit always runs its fused kernel for this many rows or fewer (_GEMM_4BIT_CUSTOM_FLOOR_M, decoding).
+FUSED_KERNEL_MAX_ROWS = 4
 NESTED_CODE_SIZE = 256  # the dynamic map of the nested quantization, float32
 
 
@@ -29,7 +31,7 @@ def quantize_base_weights(model: nn.Module, kind: str) -> None:
                 continue
             weight = child.weight if isinstance(child, nn.Linear) else child.weight.t()  # Conv1D is (in, out)
             linear = _Shape(weight, child.bias)
-            quantized = Linear4bit(linear) if kind == "nf4" else Linear8bitLt(linear)
+            quantized = Linear8bitLt(linear) if kind == "int8" else Linear4bit(linear)
             setattr(module, child_name, quantized)
 
 
@@ -42,8 +44,8 @@ class _Shape:
 
 
 class Linear4bit(nn.Linear):
-    """NF4 weights: two 4-bit values per byte, one uint8 absmax per block of 64, quantized again in blocks
-    of 256 (a float32 absmax each), an offset and the two code books."""
+    """NF4 (or FP4: the same storage) weights: two 4-bit values per byte, one uint8 absmax per block of 64,
+    quantized again in blocks of 256 (a float32 absmax each), an offset and the two code books."""
 
     def __init__(self, linear: _Shape) -> None:
         nn.Module.__init__(self)
@@ -66,8 +68,9 @@ class Linear4bit(nn.Linear):
 
 
 class _MatMul4Bit(torch.autograd.Function):
-    """Forward: the dequantize-then-``F.linear`` path of ``gemm_4bit`` (``_dequant_linear_fallback``), which
-    CUDA takes beyond 1536 rows and on most GPUs for training shapes: the nested absmax is dequantized to
+    """Forward: the fused kernel for at most 4 rows (decoding), else the dequantize-then-``F.linear`` path of
+    ``gemm_4bit`` (``_dequant_linear_fallback``), which CUDA takes beyond 1536 rows and on most GPUs for
+    training shapes: the nested absmax is dequantized to
     float32 and the offset added into a second buffer, the weight is dequantized to the compute dtype, all
     three live through the matmul. Only the packed weight is saved; backward dequantizes it again
     (``functional.dequantize_4bit``: the absmax in place, then the weight) for the input's gradient."""
@@ -76,6 +79,10 @@ class _MatMul4Bit(torch.autograd.Function):
     def forward(ctx, x, packed, absmax, offset, bias, out_features):
         ctx.save_for_backward(packed, absmax, offset)
         ctx.out_features = out_features
+        rows = x.numel() // x.shape[-1]
+        if rows <= FUSED_KERNEL_MAX_ROWS:  # the fused kernel reads the packed weight directly
+            output = x.new_empty((*x.shape[:-1], out_features))
+            return output if bias is None else output + bias
         absmax_dequantized = torch.empty_like(absmax, dtype=torch.float32)
         absmax_with_offset = absmax_dequantized + offset
         weight = _empty_weight(packed, out_features, x.dtype)

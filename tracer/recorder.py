@@ -47,6 +47,7 @@ class StepRecorder(TorchDispatchMode):
         self._live: dict[int, int] = {}  # StorageImpl address -> storage id, for storages alive now
         self._finalizers: dict[int, weakref.ref] = {}
         self._params: dict[str, torch.Tensor] = {}
+        self._paused = False
 
     def track_existing(
         self, tensor: torch.Tensor, role: Role, name: str, param: str | None = None, on_device: bool = True
@@ -60,6 +61,25 @@ class StepRecorder(TorchDispatchMode):
         if storage.created_at is None and not storage.name:
             storage.role, storage.name, storage.param = role, name, param
             storage.on_device = storage.on_device and on_device
+
+    def mark(self, tensor: torch.Tensor, role: Role) -> None:
+        """Give a storage made during the step a role its producing op cannot tell (a KV cache)."""
+        self._storage_of(tensor, created_at=len(self.ops) - 1).role = role
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run ops without recording them (storages they make are unknown until registered with
+        ``track_created``; storages they free are freed at the last recorded op)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def track_created(self, tensor: torch.Tensor, role: Role, name: str) -> None:
+        """Register a storage made while paused, as made just before the next recorded op."""
+        storage = self._storage_of(tensor, created_at=len(self.ops))
+        storage.role, storage.name = role, name
 
     def enter(self, phase: Phase) -> None:
         """Mark a phase boundary. Storages made in forward and still alive when it ends are saved
@@ -93,7 +113,7 @@ class StepRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "prim":  # metadata queries (prim.device, ...) that fake tensors dispatch
+        if func.namespace == "prim" or self._paused:  # metadata queries (prim.device, ...), or paused
             return out
         index = len(self.ops)
         inputs = self._ids(tree_leaves((args, kwargs)), index)

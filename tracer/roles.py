@@ -13,9 +13,12 @@ class Role(str, Enum):
     TEMPORARY = "temporaries"
     WORKSPACE = "workspaces"
     COMMUNICATION = "communication"  # collective buffers: all-gather, reduce-scatter, all-reduce, DDP buckets
+    KV_CACHE = "kv_cache"  # keys and values kept for generation (inference)
 
 
 class Phase(str, Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    PREFILL = "prefill"  # inference: the forward over the prompt
+    DECODE = "decode"  # inference: one new token, with the cache at its longest

@@ -36,7 +36,7 @@ def attention_implementation(config: PretrainedConfig, setup: TrainingSetup) -> 
 
 
 def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
-    """The model as the setup trains it: quantized base weights, LoRA adapters and checkpointing applied."""
+    """The model as the setup runs it: quantized base weights, LoRA adapters and checkpointing applied."""
     try:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, setup), dtype=setup.param_dtype
@@ -49,7 +49,7 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
         enable_checkpointing(model, setup.grad_checkpointing, setup.reentrant)
     if setup.lora:
         model = apply_lora(model, setup.lora)
-    return model.train()
+    return model.eval() if setup.mode == "inference" else model.train()  # dropout runs in training only
 
 
 def optimizer_recipe(setup: TrainingSetup) -> tuple[type[torch.optim.Optimizer], dict[str, object]]:

@@ -24,6 +24,7 @@ from tracer.baseline import register_baseline
 from tracer.cuda import CudaEmulation
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
+from tracer.inference import InferenceStep
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
@@ -54,14 +55,17 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     with FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model")
         net = build_model(config, setup)
-        optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
         batch = make_batch(config, setup, "cpu")
-        step = TrainingStep(
-            net,
-            optimizer,
-            autocast=_autocast(setup, emulation),
-            scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
-        )
+        if setup.mode == "inference":
+            optimizer, step = None, InferenceStep(net, config, setup)
+        else:
+            optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
+            step = TrainingStep(
+                net,
+                optimizer,
+                autocast=_autocast(setup, emulation),
+                scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
+            )
         with _op_errors():
             step.prime()
         recorder = StepRecorder(ModuleScope(net), device_type=None if cuda else "cpu")
@@ -76,7 +80,10 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
             recorder.enter(phase)
 
         with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
-            step.run(batch, on_phase=on_phase, micro_steps=traced_micro_steps(setup))
+            if setup.mode == "inference":
+                step.run(batch, on_phase=on_phase, recorder=recorder)
+            else:
+                step.run(batch, on_phase=on_phase, micro_steps=traced_micro_steps(setup))
         del workspace
 
     trace = recorder.trace()
@@ -117,6 +124,34 @@ def traced_micro_steps(setup: TrainingSetup) -> int:
     return min(setup.grad_accum, 2)
 
 
+def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, object]:
+    kind = type(optimizer)
+    implementation = ", ".join(
+        f"{key}={optimizer.defaults[key]}" for key in ("foreach", "fused", "momentum") if optimizer.defaults.get(key)
+    )
+    return {
+        "step": "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
+        "optimizer.zero_grad(set_to_none=True)"
+        + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else "")
+        + (f"; {setup.grad_accum} micro-steps per optimizer step" if setup.grad_accum > 1 else ""),
+        "state": "steady state: optimizer states exist before the step; gradients are freed at its end",
+        "optimizer_implementation": f"{kind.__module__}.{kind.__name__}"
+        + (f", {implementation}" if implementation else ""),
+        "kv_cache_in_forward": bool(getattr(config, "use_cache", False)),
+    }
+
+
+def _inference_assumptions(setup: TrainingSetup) -> dict[str, object]:
+    cache = "StaticCache" if setup.cache == "static" else "DynamicCache"
+    return {
+        "step": f"under torch.no_grad(): prefill of the prompt into a {cache}, then the decode step of the last of "
+        f"{setup.max_new_tokens} new tokens (the cache then holds {setup.seq_len + setup.max_new_tokens - 1})",
+        "prefill_logits": "all positions (the forward's default; generate() keeps the last: --logits-to-keep 1)"
+        if setup.logits_to_keep == 0
+        else f"last {setup.logits_to_keep}",
+    }
+
+
 def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):
     if emulation is not None:
         return emulation.autocast
@@ -150,18 +185,15 @@ class _op_errors(AbstractContextManager):
 def _assumptions(model: ResolvedModel, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
     config = model.config
     attention = attention_implementation(config, setup)
-    foreach = optimizer.defaults.get("foreach")
     assumptions: dict[str, object] = {
         "model_source": model.source,
-        "step": "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
-        "optimizer.zero_grad(set_to_none=True)"
-        + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else ""),
-        "state": "steady state: optimizer states exist before the step; gradients are freed at its end",
+        **(
+            _inference_assumptions(setup)
+            if setup.mode == "inference"
+            else _training_assumptions(config, setup, optimizer)
+        ),
         "attention_implementation": attention
         + ("" if attention == setup.attn else f" ({type(config).__name__} has no SDPA path in transformers)"),
-        "optimizer_implementation": f"torch.optim.{type(optimizer).__name__}, foreach={foreach}"
-        + (f", momentum={optimizer.defaults.get('momentum')}" if setup.optimizer == "sgd" else ""),
-        "kv_cache_in_forward": bool(getattr(config, "use_cache", False)),
         "allocation_rounding_bytes": MIN_BLOCK_SIZE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

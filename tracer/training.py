@@ -23,7 +23,20 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")  # torch.optim's implementations of AdamW, Adam and SGD
 ATTENTIONS = ("sdpa", "eager")
 CHECKPOINTING = ("full", "selective")  # every decoder layer, or the attention of every decoder layer
-QUANTIZATIONS = ("nf4", "int8")  # bitsandbytes storage of the frozen base weights (QLoRA, LLM.int8())
+QUANTIZATIONS = ("nf4", "fp4", "int8")  # bitsandbytes storage of frozen weights (QLoRA, 4-bit, LLM.int8())
+MODES = ("train", "inference")
+TRAINING_ONLY = (
+    "mixed_precision",
+    "optimizer",
+    "grad_checkpointing",
+    "reentrant",
+    "lora",
+    "grad_accum",
+    "optimizer_impl",
+    "pcie_gbps",
+)
+INFERENCE_ONLY = ("max_new_tokens", "cache", "logits_to_keep")
+CACHES = ("dynamic", "static")  # transformers' DynamicCache and StaticCache
 # PCIe 4.0 x16: 16 GT/s per lane x 16 lanes x 128/130 encoding = 31.5 GB/s each way (PCI-SIG, PCIe 4.0 base spec).
 PCIE_4_X16_GBPS = 31.5
 
@@ -68,6 +81,10 @@ class TrainingSetup:
     grad_accum: int = 1
     optimizer_impl: str | None = None  # None: torch's default for the device
     pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
+    mode: str = "train"
+    max_new_tokens: int = 1  # inference: the decode step runs with the cache holding prompt + these - 1
+    cache: str = "dynamic"  # inference
+    logits_to_keep: int = 0  # inference prefill: logits of the last N positions (0: all, the forward's default)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -94,16 +111,18 @@ class TrainingSetup:
             raise UserError("--reentrant chooses how checkpointing recomputes: add --grad-checkpointing.")
         if self.grad_accum < 1:
             raise UserError(f"--grad-accum must be at least 1 (got {self.grad_accum}).")
+        if self.mode not in MODES:
+            raise UserError(f"--mode must be train or inference (got {self.mode!r}).")
+        if self.mode == "inference":
+            self._check_inference()
         if self.quantize is not None:
             if self.quantize not in QUANTIZATIONS:
-                raise UserError(f"quantization must be nf4 or int8 (got {self.quantize!r}).")
-            if self.lora is None:
+                raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantize!r}).")
+            if self.lora is None and self.mode == "train":
                 raise UserError("Quantized base weights are frozen: train LoRA adapters on them (--lora-r).")
             if self.dtype == "fp32" or self.mixed_precision:
-                raise UserError(
-                    "--qlora and --load-in-8bit compute in --dtype bf16 or fp16 (their compute dtype); "
-                    "pass --dtype bf16."
-                )
+                flags = "--quantize computes" if self.mode == "inference" else "--qlora and --load-in-8bit compute"
+                raise UserError(f"{flags} in --dtype bf16 or fp16 (the compute dtype); pass --dtype bf16.")
         if self.pcie_gbps <= 0:
             raise UserError(f"--pcie-gbps must be positive (got {self.pcie_gbps}).")
         if self.optimizer_impl is not None:
@@ -111,6 +130,25 @@ class TrainingSetup:
                 raise UserError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}.")
             if self.optimizer not in ("adamw", "adam", "sgd"):
                 raise UserError(f"--optimizer-impl applies to torch's adamw, adam and sgd, not {self.optimizer}.")
+
+    def _check_inference(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens}).")
+        if self.cache not in CACHES:
+            raise UserError(f"--cache must be dynamic or static (got {self.cache!r}).")
+        if self.logits_to_keep < 0:
+            raise UserError(f"--logits-to-keep must be 0 (all) or more (got {self.logits_to_keep}).")
+        training_only = {
+            "--mixed-precision": self.mixed_precision,
+            "--grad-checkpointing": self.grad_checkpointing,
+            "--lora-r": self.lora,
+            "--grad-accum": self.grad_accum > 1,
+            "--optimizer-impl": self.optimizer_impl,
+        }
+        used = [flag for flag, value in training_only.items() if value]
+        if used:
+            hint = " (for bf16 inference, --dtype bf16)" if self.mixed_precision else ""
+            raise UserError(f"{', '.join(used)}: training only; drop it with --mode inference{hint}.")
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -121,6 +159,9 @@ class TrainingSetup:
         return DTYPES[self.mixed_precision] if self.mixed_precision else None
 
     def to_json(self) -> dict[str, Any]:
+        """The fields that matter in this mode."""
         data = asdict(self)
         data["target"] = self.target.value
+        for name in INFERENCE_ONLY if self.mode == "train" else TRAINING_ONLY:
+            del data[name]
         return data

@@ -1,0 +1,153 @@
+"""Peaks over a grid of batch sizes, sequence lengths and generation lengths, and which of them fit a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tabulate import tabulate
+
+from analysis.gpus import Gpu
+from analysis.report import MemoryReport
+from analysis.units import format_bytes
+from strategies.layout import Layout
+from tracer.analyze import analyze
+from tracer.errors import UserError
+from tracer.resolve import ResolvedModel
+from tracer.training import TrainingSetup
+
+# --sweep axis name -> the TrainingSetup field it sets
+AXES = {"batch": "batch_size", "seq-len": "seq_len", "max-new-tokens": "max_new_tokens"}
+_ALIASES = {"batch-size": "batch"}
+# Share of the GPU's memory kept free when deciding what fits: max_memory_allocated leaves out the caching
+# allocator's reserved-but-unallocated blocks and the CUDA context, and torch reports a little less total
+# memory than the vendor's nominal capacity.
+FIT_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    values: dict[str, int]  # axis -> value
+    report: MemoryReport
+
+
+@dataclass(frozen=True)
+class Sweep:
+    axes: dict[str, tuple[int, ...]]
+    points: list[SweepPoint]
+    gpu: Gpu | None  # None: no GPU to fit (--target cpu)
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.gpu.memory_bytes * (1 - FIT_MARGIN)) if self.gpu else 0
+
+    def fits(self, point: SweepPoint) -> bool:
+        return point.report.peak_bytes <= self.usable_bytes
+
+    def largest_fitting(self, axis: str) -> list[tuple[dict[str, int], int | None]]:
+        """For every combination of the other axes, the largest swept value of ``axis`` that fits."""
+        others = [name for name in self.axes if name != axis]
+        best: dict[tuple[int, ...], int | None] = {}
+        for point in self.points:
+            key = tuple(point.values[name] for name in others)
+            best.setdefault(key, None)
+            if self.fits(point) and (best[key] is None or point.values[axis] > best[key]):
+                best[key] = point.values[axis]
+        return [(dict(zip(others, key, strict=True)), value) for key, value in best.items()]
+
+
+def parse_sweep(items: Sequence[str], mode: str) -> dict[str, tuple[int, ...]]:
+    """``["seq-len=512,2048", "batch=1,8"]`` -> ``{"seq-len": (512, 2048), "batch": (1, 8)}``."""
+    usage = f"--sweep takes AXIS=V1,V2,... with AXIS one of {', '.join(AXES)}"
+    axes: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        name = _ALIASES.get(name.strip(), name.strip())
+        if name not in AXES or not values:
+            raise UserError(f"{usage} (got {item!r}).")
+        if name in axes:
+            raise UserError(f"--sweep names {name} twice; give all its values at once: {name}=V1,V2,...")
+        if name == "max-new-tokens" and mode != "inference":
+            raise UserError("--sweep max-new-tokens applies to --mode inference.")
+        try:
+            numbers = sorted({int(value) for value in values.split(",") if value.strip()})
+        except ValueError:
+            raise UserError(f"{usage}, the values whole numbers (got {item!r}).") from None
+        if not numbers or numbers[0] < 1:
+            raise UserError(f"--sweep {name} values must be at least 1 (got {values!r}).")
+        axes[name] = tuple(numbers)
+    return axes
+
+
+def run_sweep(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    layout: Layout,
+    axes: dict[str, tuple[int, ...]],
+    gpu: Gpu | None,
+    on_point: Callable[[int, int, dict[str, int]], None] = lambda done, total, values: None,
+) -> Sweep:
+    """One estimate per combination of the axes' values (each one a trace of its own)."""
+    combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    points = []
+    for done, values in enumerate(combinations):
+        on_point(done, len(combinations), values)
+        point_setup = dataclasses.replace(setup, **{AXES[name]: value for name, value in values.items()})
+        points.append(SweepPoint(values, analyze(model, point_setup, layout)))
+    return Sweep(axes, points, gpu)
+
+
+def render_sweep(sweep: Sweep, model_id: str) -> str:
+    first = sweep.points[0].report
+    inference = first.setup.mode == "inference"
+    what = "inference" if inference else "one fine-tuning step"
+    scope = "one GPU" if first.layout.plain else f"per GPU, {first.layout.describe()}"
+    headers = [*sweep.axes, "peak", "phase"] + (["kv_cache at peak"] if inference else [])
+    rows = []
+    for point in sweep.points:
+        report = point.report
+        row = [*point.values.values(), format_bytes(report.peak_bytes), report.peak_phase]
+        if inference:
+            row.append(format_bytes(report.breakdown.get("kv_cache", 0)))
+        if sweep.gpu:
+            row.append("yes" if sweep.fits(point) else "no")
+        rows.append(row)
+    lines = [f"{model_id}: {what}, estimated peak allocated memory on {scope}", ""]
+    if sweep.gpu:
+        headers.append(f"fits {sweep.gpu.name}")
+    lines.append(tabulate(rows, headers=headers, colalign=("right",) * len(sweep.axes)))
+    if sweep.gpu:
+        lines += ["", *_fit_lines(sweep)]
+    return "\n".join(lines)
+
+
+def _fit_lines(sweep: Sweep) -> list[str]:
+    gpu = sweep.gpu
+    lines = [
+        f"Fits: a peak of at most {format_bytes(sweep.usable_bytes)}, {100 - 100 * FIT_MARGIN:.0f}% of the "
+        f"{gpu.description}'s {gpu.memory_gib:g} GiB;",
+        "  the rest is left for the allocator's cache, fragmentation and the CUDA context (not in the peak).",
+    ]
+    for axis in sweep.axes:
+        if len(sweep.axes[axis]) < 2:
+            continue
+        for others, value in sweep.largest_fitting(axis):
+            where = ", ".join(f"{name} {number:,}" for name, number in others.items())
+            found = f"{value:,}" if value is not None else f"none of {', '.join(map(str, sweep.axes[axis]))}"
+            lines.append(f"  largest {axis} that fits{' at ' + where if where else ''}: {found}")
+    return lines
+
+
+def sweep_json(sweep: Sweep) -> dict[str, Any]:
+    return {
+        "axes": {name: list(values) for name, values in sweep.axes.items()},
+        "gpu": sweep.gpu.name if sweep.gpu else None,
+        "usable_bytes": sweep.usable_bytes if sweep.gpu else None,
+        "points": [
+            {**point.values, "fits": sweep.fits(point) if sweep.gpu else None, **point.report.to_json()}
+            for point in sweep.points
+        ],
+    }
