@@ -17,7 +17,7 @@ from strategies.layout import Layout
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import Trace
-from tracer.training import TrainingSetup
+from tracer.training import Target, TrainingSetup
 
 TOP_GROUPS = 8
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
@@ -206,7 +206,8 @@ def render_text(report: MemoryReport) -> str:
     where = report.peak_module or "(model top level)"
     title = "Estimated" if report.kind == "estimate" else "Measured"
     layout = report.layout
-    scope = "on one GPU" if layout.plain else f"per GPU, {layout.describe()}"
+    device = "the CPU" if report.setup.target is Target.CPU else "one GPU"
+    scope = f"on {device}" if layout.plain else f"per GPU, {layout.describe()}"
     setup = report.setup
     if setup.mode == "inference":
         what = f"inference (prefill of {setup.seq_len:,} tokens, decode up to {setup.max_new_tokens:,} more)"
