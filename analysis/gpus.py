@@ -6,6 +6,12 @@ from dataclasses import dataclass
 
 from tracer.errors import UserError
 
+# Device memory a process holds outside the caching allocator once CUDA is initialised: the CUDA context
+# (driver state and the kernels loaded so far). "Around 400MB if CUDA >= 11.7 is used and lazy module
+# loading enabled (default in PyTorch)": pytorch/pytorch#109888. Not measured by us per GPU family yet;
+# benchmarks/ground_truth/collect.py records device_used_bytes - max_memory_reserved on each GPU it runs on.
+CUDA_CONTEXT_BYTES = 400 * 1024**2
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -15,6 +21,7 @@ class Gpu:
     # The datasheet's capacity; torch reports a little less as total memory (79.1-79.3 GiB on 80 GB parts, as
     # CUDA out-of-memory messages show), which the fit margin of tracer/sweep.py covers.
     memory_gib: float
+    context_bytes: int = CUDA_CONTEXT_BYTES
 
     @property
     def memory_bytes(self) -> int:
@@ -45,3 +52,10 @@ def find_gpu(name: str) -> Gpu:
     if gpu is None:
         raise UserError(f"Unknown GPU {name!r}. Known: {', '.join(g.name for g in GPUS)}.")
     return gpu
+
+
+def gpu_for_device_name(device_name: str) -> Gpu | None:
+    """The catalog entry for a name ``torch.cuda.get_device_name`` reports ("NVIDIA H100 80GB HBM3")."""
+    name = device_name.lower()
+    matches = [gpu for gpu in GPUS if gpu.description.lower() in name or name in gpu.description.lower()]
+    return max(matches, key=lambda gpu: len(gpu.description), default=None)

@@ -25,6 +25,17 @@ class Timeline:
     def breakdown(self, index: int) -> dict[Role, int]:
         return dict(zip(self.roles, self.live[index], strict=True))
 
+    def with_allocator_slack(self, allocated_at: list[int]) -> Timeline:
+        """The timeline as the caching allocator counts it: ``allocated_at[i]`` (its allocated bytes at op
+        ``i``) less the rounded requests live there is the slack of blocks handed out whole."""
+        slot = self.roles.index(Role.ALLOCATOR_SLACK)
+        live = []
+        for index, row in enumerate(self.live):
+            row = list(row)
+            row[slot] = allocated_at[index] - (sum(row) - row[slot])
+            live.append(row)
+        return Timeline(self.roles, live)
+
 
 @dataclass(frozen=True)
 class Peak:

@@ -45,7 +45,13 @@ class MemoryReport:
     ranks: list[MemoryReport] = field(default_factory=list)  # every distinct rank, for parallel layouts
     host_peak_bytes: int = 0  # host memory the offloaded storages need
     transfers: list[Transfer] = field(default_factory=list)  # host <-> device copies per step (offloading)
+    reserved_bytes: int | None = None  # max_memory_reserved (CUDA only)
+    device_total_bytes: int | None = None  # reserved plus the CUDA context: what nvidia-smi shows
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def set_device_memory(self, reserved_bytes: int, context_bytes: int) -> None:
+        self.reserved_bytes = reserved_bytes
+        self.device_total_bytes = reserved_bytes + context_bytes
 
     def pcie(self) -> dict[str, Any]:
         """Bytes per step each way over the host link and the time they take at ``setup.pcie_gbps``."""
@@ -86,6 +92,8 @@ class MemoryReport:
             "model": self.model_id,
             "rank": {"global": self.rank.global_rank(self.layout), "dp": self.rank.dp, "tp": self.rank.tp},
             "peak_bytes": self.peak_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
             "peak_op": self.peak_op,
             "peak_module": self.peak_module,
             "peak_phase": self.peak_phase,
@@ -185,6 +193,22 @@ def _offload_lines(report: MemoryReport) -> list[str]:
     ]
 
 
+def _device_lines(report: MemoryReport) -> list[str]:
+    if report.reserved_bytes is None:
+        return []
+    lines = [
+        f"{'Estimated' if report.kind == 'estimate' else 'Measured'} peak reserved memory: "
+        f"{format_bytes(report.reserved_bytes)} ({report.reserved_bytes:,} bytes; the caching allocator's segments)"
+    ]
+    if report.device_total_bytes is not None:
+        context = report.device_total_bytes - report.reserved_bytes
+        lines.append(
+            f"Device memory in use (as nvidia-smi shows it): {format_bytes(report.device_total_bytes)}, with "
+            f"{format_bytes(context)} of CUDA context"
+        )
+    return lines
+
+
 def _ranks_table(report: MemoryReport) -> str:
     categories = [role for role in Role if any(r.breakdown.get(role.value, 0) for r in report.ranks)]
     rows = [
@@ -227,6 +251,7 @@ def render_text(report: MemoryReport) -> str:
         f"  at {report.peak_op} in {where}, {report.peak_phase} (op {report.peak_op_index + 1:,} of "
         f"{report.op_count:,})",
         "  per phase: " + ", ".join(f"{phase} {format_bytes(value)}" for phase, value in report.phase_peaks.items()),
+        *_device_lines(report),
         "",
         "Breakdown at the peak:",
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -133,6 +134,13 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu",
         default=defaults.gpu,
         help="GPU whose kernels and library workspaces are assumed with --target cuda (default h100)",
+    )
+    parser.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the CUDA caching allocator with expandable segments, which changes reserved memory and how "
+        "blocks split (default: as PYTORCH_CUDA_ALLOC_CONF in this shell says, else off)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
@@ -311,7 +319,15 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         max_new_tokens=args.max_new_tokens,
         cache=args.cache,
         logits_to_keep=args.logits_to_keep,
+        expandable_segments=_expandable_segments(args),
     )
+
+
+def _expandable_segments(args: argparse.Namespace) -> bool:
+    if args.expandable_segments is not None:
+        return args.expandable_segments
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", "")
+    return args.target == Target.CUDA.value and "expandable_segments:true" in conf
 
 
 def _run_analyze(args: argparse.Namespace) -> int:

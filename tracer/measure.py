@@ -65,6 +65,8 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     model = resolve_model(model) if isinstance(model, str) else model
     _refuse_if_too_large(model, setup)
     device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{setup.expandable_segments}")
     torch.manual_seed(0)
     with device:
         net = build_model(model.config, setup)
@@ -129,7 +131,9 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     if cuda:
         torch.cuda.synchronize()
         report.peak_bytes = torch.cuda.max_memory_allocated()
-        report.extra["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        free, total = torch.cuda.mem_get_info()
+        report.reserved_bytes = torch.cuda.max_memory_reserved()
+        report.device_total_bytes = total - free  # the whole device: other processes count too
     else:
         report.peak_bytes = meter.peak
     return report

@@ -14,6 +14,9 @@ class Role(str, Enum):
     WORKSPACE = "workspaces"
     COMMUNICATION = "communication"  # collective buffers: all-gather, reduce-scatter, all-reduce, DDP buckets
     KV_CACHE = "kv_cache"  # keys and values kept for generation (inference)
+    # Not a storage's role: bytes of blocks the CUDA caching allocator hands out whole, beyond the rounded
+    # requests (an unsplit cached block is counted in full by max_memory_allocated; analysis/allocator.py).
+    ALLOCATOR_SLACK = "allocator_slack"
 
 
 class Phase(str, Enum):

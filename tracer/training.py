@@ -85,6 +85,7 @@ class TrainingSetup:
     max_new_tokens: int = 1  # inference: the decode step runs with the cache holding prompt + these - 1
     cache: str = "dynamic"  # inference
     logits_to_keep: int = 0  # inference prefill: logits of the last N positions (0: all, the forward's default)
+    expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -123,6 +124,8 @@ class TrainingSetup:
             if self.dtype == "fp32" or self.mixed_precision:
                 flags = "--quantize computes" if self.mode == "inference" else "--qlora and --load-in-8bit compute"
                 raise UserError(f"{flags} in --dtype bf16 or fp16 (the compute dtype); pass --dtype bf16.")
+        if self.expandable_segments and self.target is Target.CPU:
+            raise UserError("--expandable-segments configures the CUDA caching allocator: drop it with --target cpu.")
         if self.pcie_gbps <= 0:
             raise UserError(f"--pcie-gbps must be positive (got {self.pcie_gbps}).")
         if self.optimizer_impl is not None:

@@ -1,0 +1,116 @@
+"""Ground truth from real GPUs against our estimate and the analytic formulas people use.
+
+    python -m benchmarks.accuracy [--data DIR] [--markdown]
+
+Reads every case JSON that ``python -m benchmarks.ground_truth.collect`` wrote (benchmarks/ground_truth/data/
+by default) and prints, per case: measured ``max_memory_allocated`` and ``max_memory_reserved``, our estimate
+of both (``analyze`` with the same setup, for the GPU it ran on), and the formulas of analysis/formulas.py on
+the same setup (the 16 bytes/parameter rule, DeepSpeed's model-state estimator, accelerate's estimate-memory,
+LLMem); then the median and largest |error| of each against max_memory_allocated (ours reserved against
+max_memory_reserved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import transformers
+from tabulate import tabulate
+
+from analysis.formulas import formula_estimates
+from analysis.gpus import gpu_for_device_name
+from benchmarks.ground_truth.cases import Case
+from benchmarks.ground_truth.collect import DATA
+from benchmarks.ground_truth.run_case import setup_of
+from strategies.layout import Layout
+from tracer.analyze import analyze
+from tracer.resolve import resolve_model
+from tracer.training import Target
+
+PEERS = ("16 bytes/parameter", "DeepSpeed model states", "accelerate estimate-memory", "LLMem")
+
+
+def load_results(data: Path) -> list[dict]:
+    results = []
+    for path in sorted(data.rglob("*.json")):
+        result = json.loads(path.read_text())
+        if result.get("target") == "cuda" and result.get("max_memory_allocated"):
+            results.append(result)
+    return results
+
+
+def compare(result: dict) -> dict:
+    case = Case(**result["case"])
+    gpu = gpu_for_device_name(result["environment"]["device"])
+    setup = setup_of(case, Target.CUDA)
+    if gpu is not None:
+        setup = dataclasses.replace(setup, gpu=gpu.name)
+    model = resolve_model(case.model)
+    layout = Layout(**case.layout)
+    report = analyze(model, setup, layout)
+    row = {
+        "case": case.name,
+        "device": result["environment"]["device"],
+        "measured": result["max_memory_allocated"],
+        "measured_reserved": result["max_memory_reserved"],
+        "ours": report.peak_bytes,
+        "ours_reserved": report.reserved_bytes,
+    }
+    for formula in formula_estimates(model, setup, layout):
+        if formula.name in PEERS:
+            row[formula.name] = formula.bytes
+    return row
+
+
+def _error(estimate: int | None, measured: int) -> float | None:
+    return None if estimate is None else 100 * (estimate - measured) / measured
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of case JSONs (default %(default)s)")
+    parser.add_argument("--markdown", action="store_true", help="print GitHub markdown tables")
+    args = parser.parse_args()
+    transformers.logging.set_verbosity_error()
+    results = load_results(args.data)
+    if not results:
+        print(
+            f"No GPU measurements under {args.data}. Collect them on a GPU machine with "
+            "`python -m benchmarks.ground_truth.collect`.",
+            file=sys.stderr,
+        )
+        return 1
+    rows = [compare(result) for result in results]
+    estimators = {"ours": "measured", "ours_reserved": "measured_reserved", **{peer: "measured" for peer in PEERS}}
+    errors: dict[str, list[float]] = {name: [] for name in estimators}
+    table = []
+    for row in rows:
+        line = [row["case"], row["measured"], row["measured_reserved"]]
+        for name, truth in estimators.items():
+            error = _error(row[name], row[truth])
+            if error is not None:
+                errors[name].append(abs(error))
+            line.append("n/a" if error is None else f"{row[name]:,} ({error:+.2f}%)")
+        table.append(line)
+    fmt = "github" if args.markdown else "simple"
+    headers = ["case", "max_memory_allocated", "max_memory_reserved", "ours", "ours (reserved)", *PEERS]
+    print(tabulate(table, headers=headers, tablefmt=fmt))
+    summary = [
+        (name, len(values), f"{statistics.median(values):.2f}%", f"{max(values):.2f}%")
+        for name, values in errors.items()
+        if values
+    ]
+    print()
+    print(tabulate(summary, headers=["estimator", "cases", "median |error|", "max |error|"], tablefmt=fmt))
+    devices = sorted({row["device"] for row in rows})
+    print(f"\n{len(rows)} cases measured on {', '.join(devices)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

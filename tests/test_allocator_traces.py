@@ -1,0 +1,47 @@
+"""The caching allocator model fed the alloc/free sequence PyTorch's allocator recorded on a real GPU
+(benchmarks/ground_truth/data/, ``torch.cuda.memory._record_memory_history``): same reserved peak."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from analysis.allocator import CachingAllocator
+
+DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "data"
+RECORDED = sorted(DATA.rglob("*.json"))
+TOLERANCE = 0.005
+
+
+def _recorded(path: Path) -> dict | None:
+    result = json.loads(path.read_text())
+    return result if result.get("allocator_trace") else None
+
+
+def replayed_and_recorded_reserved_peak(trace: list) -> tuple[int, int]:
+    allocator = CachingAllocator()
+    blocks = {}
+    reserved = recorded_peak = 0
+    for action, address, size, stream in trace:
+        if action == "alloc":
+            blocks[address] = allocator.malloc(size, stream)
+        elif action == "free_completed" and address in blocks:
+            allocator.free(blocks.pop(address))
+        elif action in ("segment_alloc", "segment_map"):
+            reserved += size
+            recorded_peak = max(recorded_peak, reserved)
+        elif action in ("segment_free", "segment_unmap"):
+            reserved -= size
+    return allocator.peak_reserved, recorded_peak
+
+
+CASES = [path for path in RECORDED if _recorded(path)]
+
+
+@pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
+@pytest.mark.parametrize("path", CASES, ids=lambda path: path.stem)
+def test_reserved_peak_of_a_recorded_run(path):
+    ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path)["allocator_trace"])
+    assert ours == pytest.approx(recorded, rel=TOLERANCE)
