@@ -172,3 +172,40 @@ def formula_estimates(model: ResolvedModel, setup: TrainingSetup, layout: Layout
         FormulaEstimate("LLMem", llmem(shape, setup, layout), "model states, activations"),
         FormulaEstimate("Korthikanti et al.", korthikanti_activations(shape, setup, layout), "activations"),
     ]
+
+
+def render_comparison(report, formulas: list[FormulaEstimate]) -> str:
+    """Ours beside each formula, with a line on what each leaves out that the trace holds at the peak."""
+    from tabulate import tabulate
+
+    from analysis.units import format_bytes
+
+    ours = report.peak_bytes
+    breakdown = report.breakdown
+    states = sum(breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_states"))
+    rows = [("ours (trace)", format_bytes(ours), "", "everything allocated at the peak")]
+    notes = []
+    for formula in formulas:
+        if formula.bytes is None:
+            rows.append((formula.name, "n/a", "", f"{formula.covers} (not for this layout)"))
+            continue
+        difference = 100 * (formula.bytes - ours) / ours
+        rows.append((formula.name, format_bytes(formula.bytes), f"{difference:+.1f}%", formula.covers))
+        if formula.covers == "model states" and ours - states > 0.05 * ours:
+            notes.append(
+                f"- {formula.name} counts model states only: the peak also holds {format_bytes(ours - states)} of "
+                f"activations, temporaries and buffers ({100 * (ours - states) / ours:.0f}% of it)."
+            )
+        elif formula.covers == "activations":
+            saved = breakdown.get("activations", 0)
+            notes.append(
+                f"- {formula.name} counts saved activations in 16-bit for a standard block: "
+                f"{format_bytes(formula.bytes)} against {format_bytes(saved)} of activations in the trace at the "
+                "peak (fp32 upcasts, logits and the loss are outside the formula)."
+            )
+    logits = [g for g in report.largest_at_peak if "lm_head" in g.get("where", "") or "loss" in g.get("made_by", "")]
+    if logits:
+        size = sum(g["bytes"] for g in logits)
+        notes.append(f"- Logits and loss buffers live at the peak: {format_bytes(size)} ({100 * size / ours:.0f}%).")
+    table = tabulate(rows, headers=["estimate", "memory", "vs ours", "covers"], colalign=("left", "right", "right"))
+    return "\n".join([f"{report.model_id}: peak per GPU, ours beside the analytic formulas", "", table, "", *notes])

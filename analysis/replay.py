@@ -19,14 +19,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from analysis.allocator import AllocatorConfig, Block, CachingAllocator
+from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Role
 
 DEFAULT_CONFIG = AllocatorConfig()
 EXISTS_BEFORE_TRAINING = (Role.PARAMETER, Role.BUFFER, Role.INPUT)
 
-# Called at every allocation and free of the measured step: (op index, storage id, block, allocated?).
+# Called at every allocation and free of the measured step: (op index, storage id, block, allocated?); first
+# with op index -1 for each block live when the measured step starts.
 Observer = Callable[[int, int, Block, bool], None]
 
 
@@ -41,7 +42,7 @@ class AllocatorReplay:
     peak_allocated: int  # max_memory_allocated of the measured step
     peak_allocated_op: int
     peak_reserved: int  # max_memory_reserved: the warm-up's segments stay reserved
-    segments: int  # cudaMalloc'd segments (or expandable ones) at the end
+    segments: list[Segment]  # cudaMalloc'd segments (or expandable ones) at the end, with their blocks
 
 
 def replay_step(
@@ -78,9 +79,9 @@ def replay_step(
 
     def release(storage_id: int, index: int, measured: bool) -> None:
         block = live.pop(storage_id)
-        allocator.free(block)
-        if measured and observer is not None:
+        if measured and observer is not None:  # before the free merges the block with its free neighbours
             observer(index, storage_id, block, False)
+        allocator.free(block)
 
     for storage_id in before:
         allocate(storage_id, 0, measured=False)
@@ -90,6 +91,9 @@ def replay_step(
             for storage_id in [s for s in sizes if step.storages[s].producer is None and s not in live]:
                 allocate(storage_id, 0, measured=False)  # existed before the step, freed in the warm-up's
             allocator.reset_peak()
+            if observer is not None:
+                for storage_id, block in live.items():
+                    observer(-1, storage_id, block, True)
         for op in step.ops:
             for storage_id in first_use.get(op.index, ()):
                 if storage_id not in live:
@@ -109,5 +113,5 @@ def replay_step(
         peak_allocated=allocator.peak_allocated,
         peak_allocated_op=peak_op,
         peak_reserved=allocator.peak_reserved,
-        segments=len(allocator.segments),
+        segments=list(allocator.segments),
     )

@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_step_arguments(analyze)
     _add_layout_arguments(analyze)
+    analyze.add_argument(
+        "--by-module",
+        type=int,
+        metavar="DEPTH",
+        default=None,
+        help="also print what each module (its path cut to DEPTH parts, e.g. 3 = model.layers.N) holds at the "
+        "peak, and the 10 largest storages live there",
+    )
     analyze.add_argument_group("sweep").add_argument(
         "--sweep",
         nargs="+",
@@ -75,6 +83,32 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_step_arguments(measure)
     measure.set_defaults(run=_run_measure)
+
+    timeline = commands.add_parser(
+        "timeline",
+        help="write the estimated step op by op: a plot, a page, a table or a memory_viz snapshot",
+        description="Estimate as analyze does, then write live memory by category at every op of the busiest GPU. "
+        "The suffix of -o picks the format: .png (stacked plot, phases, the peak; the GPU's memory with --gpu), "
+        ".html (one self-contained interactive page), .csv / .json (one row per op), .pickle (a snapshot in the "
+        "format of torch.cuda.memory._dump_snapshot, for pytorch.org/memory_viz).",
+    )
+    timeline.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="file to write (.png .html .csv .json .pickle)"
+    )
+    _add_step_arguments(timeline)
+    _add_layout_arguments(timeline)
+    timeline.set_defaults(run=_run_timeline)
+
+    compare = commands.add_parser(
+        "compare",
+        help="our estimate beside the analytic formulas people use",
+        description="Estimate as analyze does and print, beside it, the 16 bytes/parameter rule, DeepSpeed's "
+        "model-state estimator, accelerate's estimate-memory, LLMem's formulas and Korthikanti et al.'s "
+        "activation formula on the same setup, with what each leaves out.",
+    )
+    _add_step_arguments(compare)
+    _add_layout_arguments(compare)
+    compare.set_defaults(run=_run_compare)
 
     models = commands.add_parser("models", help="list the bundled model configs")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -132,8 +166,9 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu",
-        default=defaults.gpu,
-        help="GPU whose kernels and library workspaces are assumed with --target cuda (default h100)",
+        default=None,
+        help="GPU whose kernels and library workspaces are assumed with --target cuda (default h100); timeline "
+        "draws its memory",
     )
     parser.add_argument(
         "--expandable-segments",
@@ -307,7 +342,7 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         optimizer=args.optimizer,
         attn=args.attn,
         target=Target(args.target),
-        gpu=args.gpu,
+        gpu=args.gpu or TrainingSetup.gpu,
         grad_checkpointing=args.grad_checkpointing,
         reentrant=args.reentrant,
         lora=lora,
@@ -330,18 +365,10 @@ def _expandable_segments(args: argparse.Namespace) -> bool:
     return args.target == Target.CUDA.value and "expandable_segments:true" in conf
 
 
-def _run_analyze(args: argparse.Namespace) -> int:
-    from analysis.gpus import find_gpu
-    from analysis.report import render_text
-    from tracer.analyze import analyze
-    from tracer.resolve import resolve_model
+def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
+    """The estimate with its progress line on stderr."""
+    from tracer.analyze import estimate
 
-    setup = _setup(args)
-    layout = _layout(args)
-    gpu = find_gpu(setup.gpu)
-    model = resolve_model(args.model)
-    if args.sweep:
-        return _run_sweep(args, model, setup, layout, gpu if setup.target is Target.CUDA else None)
     _warn_about_length(model, setup)
     start = time.perf_counter()
     stages: list[str] = []
@@ -353,12 +380,89 @@ def _run_analyze(args: argparse.Namespace) -> int:
     what = "inference" if setup.mode == "inference" else "one training step"
     _progress(args, f"Tracing {what} of {model.model_id} on fake tensors:", end="")
     try:
-        report = analyze(model, setup, layout, progress=on_stage)
+        result = estimate(model, setup, layout, progress=on_stage)
     except UserError:
         _progress(args, "")  # end the progress line before the error
         raise
     _progress(args, f"; done in {time.perf_counter() - start:.1f} s.")
-    print(json.dumps(report.to_json(), indent=2) if args.json else render_text(report))
+    return result
+
+
+def _run_analyze(args: argparse.Namespace) -> int:
+    from analysis.gpus import find_gpu
+    from analysis.modules import module_table, render_module_table
+    from analysis.report import render_text
+    from tracer.resolve import resolve_model
+
+    if args.by_module is not None and args.by_module < 1:
+        raise UserError(f"--by-module needs a depth of at least 1 (got {args.by_module}).")
+    setup = _setup(args)
+    layout = _layout(args)
+    gpu = find_gpu(setup.gpu)
+    model = resolve_model(args.model)
+    if args.sweep:
+        return _run_sweep(args, model, setup, layout, gpu if setup.target is Target.CUDA else None)
+    result = _estimate(args, model, setup, layout)
+    report = result.report
+    table = module_table(result.step, report.peak_op_index, args.by_module) if args.by_module else None
+    if args.json:
+        data = report.to_json() | ({"by_module": table} if table else {})
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_text(report) + (f"\n\n{render_module_table(table)}" if table else ""))
+    return 0
+
+
+def _run_timeline(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from analysis.export import FORMATS, timeline_rows, write_csv, write_html, write_json, write_png, write_snapshot
+    from analysis.gpus import find_gpu
+    from tracer.analyze import allocator_config
+    from tracer.resolve import resolve_model
+
+    path = Path(args.output)
+    if path.suffix not in FORMATS:
+        raise UserError(f"-o {path}: the suffix picks the format; use one of {', '.join(FORMATS)}.")
+    if not path.parent.exists():
+        raise UserError(f"-o {path}: folder {path.parent} does not exist.")
+    setup = _setup(args)
+    if path.suffix == ".pickle" and setup.target is not Target.CUDA:
+        raise UserError("A memory_viz snapshot describes the CUDA caching allocator: drop --target cpu.")
+    model = resolve_model(args.model)
+    result = _estimate(args, model, setup, _layout(args))
+    report = result.report
+    rows = timeline_rows(result.step, result.line)
+    title = f"{model.model_id}: {report.layout.describe() if not report.layout.plain else 'one GPU'}"
+    if path.suffix == ".csv":
+        write_csv(rows, path)
+    elif path.suffix == ".json":
+        write_json(rows, path, report.to_json())
+    elif path.suffix == ".png":
+        capacity = find_gpu(setup.gpu).memory_bytes if args.gpu is not None else None
+        write_png(rows, path, title, capacity)
+    elif path.suffix == ".html":
+        write_html(rows, path, title)
+    else:
+        write_snapshot(result.step, path, allocator_config(setup))
+    _progress(args, f"Wrote {path} ({len(rows):,} ops, peak {report.peak_bytes:,} bytes at op {report.peak_op_index}).")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from analysis.formulas import formula_estimates, render_comparison
+    from tracer.resolve import resolve_model
+
+    setup = _setup(args)
+    layout = _layout(args)
+    model = resolve_model(args.model)
+    report = _estimate(args, model, setup, layout).report
+    formulas = formula_estimates(model, setup, layout)
+    if args.json:
+        data = {"ours": report.to_json(), "formulas": [f.__dict__ for f in formulas]}
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_comparison(report, formulas))
     return 0
 
 

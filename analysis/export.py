@@ -1,0 +1,205 @@
+"""The estimated step as files to look at: per-op rows (CSV, JSON), a plot (PNG), an interactive page (HTML)
+and a snapshot in the format of ``torch.cuda.memory._snapshot`` for PyTorch's memory viewer (pickle)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from analysis.allocator import AllocatorConfig
+from analysis.peak import Timeline
+from analysis.replay import replay_step
+from analysis.units import GIB
+from tracer.graph import StepGraph
+from tracer.roles import Role
+
+FORMATS = (".png", ".html", ".csv", ".json", ".pickle")
+
+
+def timeline_rows(step: StepGraph, line: Timeline) -> list[dict[str, Any]]:
+    """One row per op: what it allocated and what was freed after it (bytes as the allocator rounds them),
+    and the live bytes per category once it has produced its outputs."""
+    allocated: dict[int, int] = defaultdict(int)
+    freed: dict[int, int] = defaultdict(int)
+    for row in step.storages.values():
+        if not row.on_device or row.bytes == 0:
+            continue
+        if row.producer is not None:
+            allocated[row.producer] += row.bytes
+        if row.freed_after is not None and (row.producer is None or row.freed_after >= row.producer):
+            freed[row.freed_after] += row.bytes
+    rows = []
+    for op in step.ops:
+        live = line.breakdown(op.index)
+        rows.append(
+            {
+                "index": op.index,
+                "phase": op.phase.value,
+                "op": op.target,
+                "module": op.module,
+                "allocated": allocated[op.index],
+                "freed": freed[op.index],
+                "live": sum(live.values()),
+                **{role.value: live[role] for role in Role},
+            }
+        )
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def write_json(rows: list[dict[str, Any]], path: Path, summary: dict[str, Any]) -> None:
+    path.write_text(json.dumps({"summary": summary, "ops": rows}))
+
+
+def _phase_spans(rows: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    spans: list[tuple[str, int, int]] = []
+    for row in rows:
+        if spans and spans[-1][0] == row["phase"]:
+            spans[-1] = (row["phase"], spans[-1][1], row["index"])
+        else:
+            spans.append((row["phase"], row["index"], row["index"]))
+    return spans
+
+
+def write_png(rows: list[dict[str, Any]], path: Path, title: str, capacity: int | None = None) -> None:
+    """Stacked live bytes by category over the op index, phases shaded, the peak marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    roles = [role.value for role in Role if any(row[role.value] for row in rows)]
+    x = [row["index"] for row in rows]
+    figure, axes = plt.subplots(figsize=(12, 5.5), dpi=120)
+    axes.stackplot(x, *[[row[role] / GIB for row in rows] for role in roles], labels=roles, alpha=0.85)
+    shades = ("#f2f2f2", "#ffffff")
+    for number, (phase, first, last) in enumerate(_phase_spans(rows)):
+        axes.axvspan(first, last + 1, color=shades[number % 2], zorder=-1)
+        axes.text((first + last) / 2, 1.0, phase, transform=axes.get_xaxis_transform(), ha="center", va="bottom")
+    peak = max(rows, key=lambda row: row["live"])
+    axes.scatter([peak["index"]], [peak["live"] / GIB], color="black", zorder=5)
+    axes.annotate(
+        f"peak {peak['live'] / GIB:.2f} GiB\n{peak['op']}\n{peak['module'] or '(top level)'}",
+        (peak["index"], peak["live"] / GIB),
+        xytext=(10, -40),
+        textcoords="offset points",
+        fontsize=8,
+        arrowprops={"arrowstyle": "->"},
+    )
+    if capacity:
+        axes.axhline(capacity / GIB, color="red", linestyle="--", linewidth=1, label="GPU memory")
+    axes.set_xlabel("op index")
+    axes.set_ylabel("live memory (GiB)")
+    axes.set_xlim(0, len(rows))
+    axes.set_title(title, pad=18)
+    axes.legend(loc="upper left", fontsize=8, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+_HTML = """<!doctype html><html><head><meta charset="utf-8"><title>$TITLE</title><style>
+body{font:13px sans-serif;margin:16px}#info{white-space:pre;font-family:monospace;margin-top:8px;min-height:9em}
+canvas{border:1px solid #ccc}</style></head><body><h3>$TITLE</h3><canvas id="chart" width="1100" height="420">
+</canvas><div id="legend"></div><div id="info">Hover over the chart to see an op.</div><script>
+const data=$DATA;const roles=data.roles,rows=data.rows,colors=["#4e79a7","#f28e2b","#e15759","#76b7b2",
+"#59a14f","#edc948","#b07aa1","#ff9da7","#9c755f","#bab0ac","#86bcb6","#d37295"];
+const canvas=document.getElementById("chart"),ctx=canvas.getContext("2d"),W=canvas.width,H=canvas.height,pad=40;
+const top=Math.max(...rows.map(r=>r.live))*1.05||1;const x=i=>pad+(W-2*pad)*i/rows.length,
+y=v=>H-pad-(H-2*pad)*v/top;function draw(){ctx.clearRect(0,0,W,H);const base=rows.map(()=>0);
+roles.forEach((role,k)=>{ctx.beginPath();rows.forEach((r,i)=>ctx.lineTo(x(i),y(base[i]+r[role])));
+for(let i=rows.length-1;i>=0;i--)ctx.lineTo(x(i),y(base[i]));ctx.closePath();ctx.fillStyle=colors[k%colors.length];
+ctx.fill();rows.forEach((r,i)=>base[i]+=r[role]);});ctx.fillStyle="#000";ctx.fillText("GiB",4,pad-8);
+for(let t=0;t<=4;t++){const v=top*t/4;ctx.fillText((v/2**30).toFixed(2),4,y(v));}
+ctx.fillText("op index",W/2,H-8);}draw();
+document.getElementById("legend").innerHTML=roles.map((r,k)=>'<span style="color:'+colors[k%colors.length]+
+'">&#9632;</span> '+r).join(" &nbsp; ");const gib=b=>(b/2**30).toFixed(3)+" GiB";
+canvas.addEventListener("mousemove",e=>{const i=Math.min(rows.length-1,Math.max(0,Math.floor((e.offsetX-pad)/
+(W-2*pad)*rows.length)));const r=rows[i];draw();ctx.strokeStyle="#000";ctx.beginPath();ctx.moveTo(x(i),pad);
+ctx.lineTo(x(i),H-pad);ctx.stroke();document.getElementById("info").textContent="op "+r.index+" ("+r.phase+"): "+
+r.op+"\\nmodule: "+(r.module||"(top level)")+"\\nallocates "+gib(r.allocated)+", frees "+gib(r.freed)+
+" after it\\nlive "+gib(r.live)+"\\n"+roles.filter(k=>r[k]).map(k=>"  "+k+": "+gib(r[k])).join("\\n");});
+</script></body></html>"""
+
+
+def write_html(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """One self-contained page (no network): the stacked chart on a canvas, an op's details on hover."""
+    roles = [role.value for role in Role if any(row[role.value] for row in rows)]
+    data = json.dumps({"roles": roles, "rows": rows}).replace("</", "<\\/")
+    path.write_text(_HTML.replace("$TITLE", title).replace("$DATA", data))
+
+
+def memory_snapshot(step: StepGraph, config: AllocatorConfig) -> dict[str, Any]:
+    """The measured step as ``torch.cuda.memory._snapshot()`` would record it: ``device_traces`` with an
+    ``alloc`` for every block live when the step starts and then every alloc and free of the step (addresses
+    and block sizes from the allocator model; one frame per event naming the op and module), and
+    ``segments`` as the allocator holds them at the end."""
+    events: list[dict[str, Any]] = []
+
+    def observe(index: int, storage_id: int, block, allocated: bool) -> None:
+        row = step.storages[storage_id]
+        if index >= 0:
+            op = step.ops[index]
+            frame = {"filename": op.module or "(top level)", "line": index, "name": op.target}
+        else:
+            frame = {"filename": row.name or row.role.value, "line": 0, "name": "(before the step)"}
+        actions = ("alloc",) if allocated else ("free_requested", "free_completed")
+        for action in actions:
+            events.append(
+                {
+                    "action": action,
+                    "addr": block.address,
+                    "size": block.size,
+                    "stream": 0,
+                    "time_us": len(events),
+                    "frames": [frame],
+                }
+            )
+
+    replay = replay_step(step, config, observe)
+    segments = []
+    for segment in replay.segments:
+        blocks = [
+            {
+                "address": block.address,
+                "size": block.size,
+                "requested_size": block.requested if block.allocated else 0,
+                "state": "active_allocated" if block.allocated else "inactive",
+                "frames": [],
+            }
+            for block in segment.blocks()
+        ]
+        total = sum(block["size"] for block in blocks)
+        allocated = sum(block["size"] for block in blocks if block["state"] == "active_allocated")
+        segments.append(
+            {
+                "device": 0,
+                "address": segment.address,
+                "total_size": total,
+                "allocated_size": allocated,
+                "active_size": allocated,
+                "requested_size": sum(block["requested_size"] for block in blocks),
+                "stream": segment.stream,
+                "segment_type": "small" if segment.small else "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": segment.expandable,
+                "frames": [],
+                "blocks": blocks,
+            }
+        )
+    return {"segments": segments, "device_traces": [events], "allocator_settings": {}}
+
+
+def write_snapshot(step: StepGraph, path: Path, config: AllocatorConfig) -> None:
+    with path.open("wb") as handle:
+        pickle.dump(memory_snapshot(step, config), handle)
