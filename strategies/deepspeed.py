@@ -83,7 +83,7 @@ class _DeepSpeed:
         self.params = {
             row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param is not None
         }
-        self.numel = {name: _numel(row.shape) for name, row in self.params.items()}
+        self.numel = {name: row.numel for name, row in self.params.items()}
         # The optimizer, and so the fp32 partition, covers trainable parameters only (frozen ones, as LoRA
         # leaves the base, have no gradient).
         trainable = {row.param for row in step.storages.values() if row.role is Role.GRADIENT}
@@ -168,7 +168,7 @@ class _DeepSpeed:
             if row.role is Role.OPTIMIZER_STATE:
                 states[row.name.rpartition(".")[2]] += 1
                 self.rw.resize(row.id, 0)
-            elif _made_in(self.step, row, Phase.OPTIMIZER):  # update temporaries, now of the fp32 partition
+            elif self.step.made_in(row, Phase.OPTIMIZER):  # update temporaries, now of the fp32 partition
                 element = row.nbytes // self.numel[row.param] * FLOAT32_BYTES // self.bytes
                 self.rw.resize(row.id, self.numel[row.param] * self.partition // self.total * element)
                 self._update_temporaries.append(row.id)
@@ -307,20 +307,9 @@ class _DeepSpeed:
         return [name for name, numel in self.numel.items() if numel > PARAM_PERSISTENCE_THRESHOLD]
 
     def _param_sized(self, row: StorageRow) -> bool:
-        return _numel(row.shape) == self.numel[row.param]
+        return row.numel == self.numel[row.param]
 
 
 def _span(step: StepGraph, phase: Phase) -> tuple[int, int]:
     indices = [op.index for op in step.ops if op.phase is phase]
     return indices[0], indices[-1]
-
-
-def _made_in(step: StepGraph, row: StorageRow, phase: Phase) -> bool:
-    return row.producer is not None and step.ops[row.producer].phase is phase
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result

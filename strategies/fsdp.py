@@ -93,9 +93,9 @@ class _Fsdp:
             shard, name = self.shards[row.param], row.param
             if row.role is Role.PARAMETER:
                 self.rw.resize(row.id, shard.padded_shard_numel * self.master(name))
-            elif row.role is Role.OPTIMIZER_STATE or _made_in(self.step, row, Phase.OPTIMIZER):
-                numel = _numel(self.params[name].shape)
-                if _numel(row.shape) > 1 and row.nbytes % numel == 0:
+            elif row.role is Role.OPTIMIZER_STATE or self.step.made_in(row, Phase.OPTIMIZER):
+                numel = self.params[name].numel
+                if row.numel > 1 and row.nbytes % numel == 0:
                     element = row.nbytes // numel * self.master(name) // self.compute[name]
                     self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element)
             else:
@@ -218,14 +218,3 @@ class _Fsdp:
 class _Gather:
     point: Point
     buffer: int
-
-
-def _made_in(step: StepGraph, row: StorageRow, phase: Phase) -> bool:
-    return row.producer is not None and step.ops[row.producer].phase is phase
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result

@@ -215,7 +215,7 @@ class _TensorParallel:
         so it holds what the gradient holds."""
         gradient = {row.param: self.size[row.id] for row in self.step.storages.values() if row.role is Role.GRADIENT}
         for row in self.step.storages.values():
-            if not (row.role is Role.OPTIMIZER_STATE or self._made_in(row, Phase.OPTIMIZER)):
+            if not (row.role is Role.OPTIMIZER_STATE or self.step.made_in(row, Phase.OPTIMIZER)):
                 continue
             share = self.param_share.get(row.param or "")
             if share is None or not self._same_size(row):
@@ -510,7 +510,7 @@ class _TensorParallel:
 
     def _same_size(self, row: StorageRow) -> bool:
         """Whether the storage is as large as its parameter (not, say, a 0-dim step counter)."""
-        return _numel(row.shape) == _numel(self.step.storages[self._param_row(row.param)].shape)
+        return row.numel == self.step.storages[self._param_row(row.param)].numel
 
     def _bytes(self, row: StorageRow, share: _Share) -> int:
         return _scaled(row.nbytes, share.fraction)
@@ -524,9 +524,6 @@ class _TensorParallel:
                 break
             end += 1
         return end
-
-    def _made_in(self, row: StorageRow, phase: Phase) -> bool:
-        return row.producer is not None and self.step.ops[row.producer].phase is phase
 
     def _at(self, index: int) -> Point:
         return Point(index, 0)
@@ -544,10 +541,3 @@ def _within(module: str, scope: str) -> bool:
 
 def _scaled(nbytes: int, fraction: Fraction) -> int:
     return nbytes * fraction.numerator // fraction.denominator
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result

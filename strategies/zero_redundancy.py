@@ -26,7 +26,7 @@ def partition(sizes: list[tuple[str, int]], world: int) -> list[list[str]]:
 
 def parameter_sizes(step: StepGraph) -> list[tuple[str, int]]:
     rows = sorted((row for row in step.storages.values() if row.role is Role.PARAMETER and row.param), key=_id)
-    return [(row.param, _numel(row.shape)) for row in rows]
+    return [(row.param, row.numel) for row in rows]
 
 
 def zero_redundancy(step: StepGraph, world: int, rank: int) -> StepGraph:
@@ -45,10 +45,3 @@ def zero_redundancy(step: StepGraph, world: int, rank: int) -> StepGraph:
 
 def _id(row) -> int:
     return row.id
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result

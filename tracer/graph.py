@@ -3,6 +3,7 @@ storage table the memory passes read (bytes as the allocator rounds them, role, 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,6 +31,10 @@ class StorageRow:
     name: str
     param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
 
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
 
 HOST_TO_DEVICE = "host to device"
 DEVICE_TO_HOST = "device to host"
@@ -52,6 +57,10 @@ class StepGraph:
     storages: dict[int, StorageRow]
     structure: ModelStructure = field(default_factory=ModelStructure)
     transfers: list[Transfer] = field(default_factory=list)
+
+    def made_in(self, row: StorageRow, phase: Phase) -> bool:
+        """Whether the storage was created by an op of ``phase`` (False if it existed before the step)."""
+        return row.producer is not None and self.ops[row.producer].phase is phase
 
     @cached_property
     def graph(self) -> nx.DiGraph:
