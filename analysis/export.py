@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.allocator import AllocatorConfig
+from analysis.liveness import holds_memory
 from analysis.peak import Timeline
 from analysis.replay import replay_step
 from analysis.units import GIB
@@ -26,11 +27,11 @@ def timeline_rows(step: StepGraph, line: Timeline) -> list[dict[str, Any]]:
     allocated: dict[int, int] = defaultdict(int)
     freed: dict[int, int] = defaultdict(int)
     for row in step.storages.values():
-        if not row.on_device or row.bytes == 0:
+        if not row.on_device or row.bytes == 0 or not holds_memory(row):
             continue
         if row.producer is not None:
             allocated[row.producer] += row.bytes
-        if row.freed_after is not None and (row.producer is None or row.freed_after >= row.producer):
+        if row.freed_after is not None:
             freed[row.freed_after] += row.bytes
     rows = []
     for op in step.ops:

@@ -22,8 +22,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tabulate import tabulate
 from torch import nn
 
+from analysis.report import MemoryReport
+from analysis.units import format_bytes
 from strategies.layout import Layout
 from tracer.modules import decoder_blocks
 from tracer.resolve import ResolvedModel
@@ -57,7 +60,6 @@ class ModelShape:
     # Linear and Embedding modules in module order, as LLMem walks them: (kind, output features, sizes of
     # their parameters)
     linear_outputs: tuple[tuple[str, int, tuple[int, ...]], ...]
-    block_count: int
 
 
 def model_shape(model: ResolvedModel, setup: TrainingSetup) -> ModelShape:
@@ -84,7 +86,6 @@ def model_shape(model: ResolvedModel, setup: TrainingSetup) -> ModelShape:
         heads=config.num_attention_heads,
         vocab=config.vocab_size,
         linear_outputs=tuple(outputs),
-        block_count=len(blocks),
     )
 
 
@@ -143,7 +144,7 @@ def _llmem_output_bytes(shape: ModelShape, batch: int, seq: int) -> int:
     """calc_output_bytes(): fp16 outputs of embeddings (twice), Linear modules and decoder layer inputs,
     then the logits and two copies shifted by one token."""
     tokens = batch * seq
-    sizes = [tokens * shape.hidden] * max(shape.block_count - 1, 0)
+    sizes = [tokens * shape.hidden] * max(shape.layers - 1, 0)
     for kind, features, _ in shape.linear_outputs[:-1]:
         sizes += [tokens * features] * (2 if kind == "embedding" else 1)
     total = sum(_llmem_round(numel * LLMEM_ACTIVATION_BYTES) for numel in sizes)
@@ -174,12 +175,8 @@ def formula_estimates(model: ResolvedModel, setup: TrainingSetup, layout: Layout
     ]
 
 
-def render_comparison(report, formulas: list[FormulaEstimate]) -> str:
+def render_comparison(report: MemoryReport, formulas: list[FormulaEstimate]) -> str:
     """Ours beside each formula, with a line on what each leaves out that the trace holds at the peak."""
-    from tabulate import tabulate
-
-    from analysis.units import format_bytes
-
     ours = report.peak_bytes
     breakdown = report.breakdown
     states = sum(breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_states"))

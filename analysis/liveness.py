@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tracer.graph import StepGraph
+from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Role
+
+
+def holds_memory(row: StorageRow) -> bool:
+    """False for a storage a transform made and released at once (freed before the op that made it)."""
+    return row.producer is None or row.freed_after is None or row.freed_after >= row.producer
 
 
 @dataclass(frozen=True)

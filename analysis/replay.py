@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
-from tracer.graph import StepGraph, StorageRow
+from analysis.liveness import holds_memory
+from tracer.graph import StepGraph
 from tracer.roles import Role
 
 DEFAULT_CONFIG = AllocatorConfig()
@@ -29,11 +30,6 @@ EXISTS_BEFORE_TRAINING = (Role.PARAMETER, Role.BUFFER, Role.INPUT)
 # Called at every allocation and free of the measured step: (op index, storage id, block, allocated?); first
 # with op index -1 for each block live when the measured step starts.
 Observer = Callable[[int, int, Block, bool], None]
-
-
-def _lives(row: StorageRow) -> bool:
-    """False for a storage a transform made and released at once (it never holds memory; analysis/liveness.py)."""
-    return row.producer is None or row.freed_after is None or row.freed_after >= row.producer
 
 
 @dataclass(frozen=True)
@@ -52,7 +48,9 @@ def replay_step(
 ) -> AllocatorReplay:
     """Replay a warm-up step and the measured step through the caching allocator model."""
     allocator = CachingAllocator(config)
-    sizes = {row.id: row.nbytes for row in step.storages.values() if row.on_device and row.nbytes > 0 and _lives(row)}
+    sizes = {
+        row.id: row.nbytes for row in step.storages.values() if row.on_device and row.nbytes > 0 and holds_memory(row)
+    }
     created: dict[int, list[int]] = defaultdict(list)
     released: dict[int, list[int]] = defaultdict(list)
     first_use: dict[int, list[int]] = defaultdict(list)

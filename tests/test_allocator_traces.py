@@ -11,7 +11,6 @@ import pytest
 from analysis.allocator import CachingAllocator
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "data"
-RECORDED = sorted(DATA.rglob("*.json"))
 TOLERANCE = 0.005
 
 
@@ -37,7 +36,7 @@ def replayed_and_recorded_reserved_peak(trace: list) -> tuple[int, int]:
     return allocator.peak_reserved, recorded_peak
 
 
-CASES = [path for path in RECORDED if _recorded(path)]
+CASES = [path for path in sorted(DATA.rglob("*.json")) if _recorded(path)]
 
 
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")

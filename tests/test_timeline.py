@@ -34,24 +34,15 @@ def result():
     return estimate(tiny_model("llama"), SETUP)
 
 
-def test_csv_live_bytes_at_the_peak_row_equal_the_peak(config_path, tmp_path):
+def test_csv_live_bytes_at_the_peak_row_equal_the_peak(config_path, tmp_path, capsys):
     out = tmp_path / "t.csv"
     assert main(["timeline", config_path, "--batch-size", "2", "--seq-len", "32", "-o", str(out), "--quiet"]) == 0
     rows = list(csv.DictReader(out.open()))
-    report = json.loads(_json_report(config_path))
+    assert main(["analyze", config_path, "--batch-size", "2", "--seq-len", "32", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     peak_row = rows[report["peak_op_index"]]
     assert int(peak_row["live"]) == report["peak_bytes"] == max(int(row["live"]) for row in rows)
     assert {"index", "phase", "op", "module", "allocated", "freed", "parameters"} <= set(peak_row)
-
-
-def _json_report(config_path) -> str:
-    completed = subprocess.run(
-        ["python", "-m", "tracer", "analyze", config_path, "--batch-size", "2", "--seq-len", "32", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return completed.stdout
 
 
 def test_rows_account_for_every_allocation_and_free(result):
