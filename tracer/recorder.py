@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from tracer.modules import ModuleScope
 from tracer.roles import Phase, Role
@@ -116,12 +117,27 @@ class StepRecorder(TorchDispatchMode):
         if func.namespace == "prim" or self._paused:  # metadata queries (prim.device, ...), or paused
             return out
         index = len(self.ops)
-        inputs = self._ids(tree_leaves((args, kwargs)), index)
-        outputs = self._ids(tree_leaves(out), index)
+        read, written = tree_leaves((args, kwargs)), tree_leaves(out)
+        inputs = self._ids(read, index)
+        outputs = self._ids(written, index)
         if self.phase is Phase.OPTIMIZER:
             self._inherit_lineage(func, args, out, index)
         recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
-        self.ops.append(Op(index, str(func), self.scope.current(), self.phase, inputs, outputs, recompute))
+        count_flops = flop_registry.get(func._overloadpacket)
+        flops = count_flops(*args, **(kwargs or {}), out_val=out) if count_flops else 0
+        self.ops.append(
+            Op(
+                index,
+                str(func),
+                self.scope.current(),
+                self.phase,
+                inputs,
+                outputs,
+                recompute,
+                flops=flops,
+                bytes_moved=_bytes_moved(func, read, written, args),
+            )
+        )
         return out
 
     def _inherit_lineage(self, func, args, out, index: int) -> None:
@@ -183,3 +199,13 @@ class StepRecorder(TorchDispatchMode):
                 self.listener.freed(storage)
 
         return callback
+
+
+def _bytes_moved(func, read: list, written: list, args: tuple) -> int:
+    """Bytes an op reads and writes: its tensor arguments, and its outputs or, for an in-place op that returns
+    nothing (``_foreach_add_``), its first argument again. Views move nothing."""
+    if func.is_view:
+        return 0
+    if not any(isinstance(leaf, torch.Tensor) for leaf in written) and func._schema.is_mutable and args:
+        written = tree_leaves(args[0])
+    return sum(leaf.nbytes for leaf in (*read, *written) if isinstance(leaf, torch.Tensor))

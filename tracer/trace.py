@@ -29,6 +29,8 @@ class Op:
     inputs: tuple[int, ...]  # storage ids read
     outputs: tuple[int, ...]  # storage ids written (new, or existing ones for in-place ops and views)
     recompute: bool = False  # a forward op run again in backward (activation checkpointing)
+    flops: int = 0  # floating-point operations, as torch.utils.flop_counter counts them (matmuls, attention)
+    bytes_moved: int = 0  # bytes of the tensors it reads and writes (0 for views): its memory traffic
 
     @property
     def runs_forward(self) -> bool:
