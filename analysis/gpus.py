@@ -1,4 +1,11 @@
-"""GPUs the estimate can target. Compute capability decides which kernels and workspaces CUDA uses."""
+"""GPUs the estimate and the planner can target: memory, peak throughput, bandwidths, compute capability.
+
+Figures are the vendors' datasheets for the named part (SXM/OAM modules where there is a choice): dense
+tensor-core throughput (without structured sparsity), fp32 without tensor cores (what torch's default
+``float32_matmul_precision="highest"`` uses), memory bandwidth, and the GPU-to-GPU link each GPU has in one
+direction (half the bidirectional figure datasheets print). Compute capability decides which kernels and
+workspaces CUDA uses in the trace.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,11 @@ from tracer.errors import UserError
 # benchmarks/ground_truth/collect.py records device_used_bytes - max_memory_reserved on each GPU it runs on.
 CUDA_CONTEXT_BYTES = 400 * 1024**2
 
+# One PCIe x16 link in one direction, GB/s (PCI-SIG: 8 GT/s per lane for 3.0, 16 GT/s for 4.0, 128b/130b
+# encoding).
+PCIE_3_X16_GBPS = 15.75
+PCIE_4_X16_GBPS = 31.5
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -19,29 +31,79 @@ class Gpu:
     description: str
     compute_capability: tuple[int, int]
     # The datasheet's capacity; torch reports a little less as total memory (79.1-79.3 GiB on 80 GB parts, as
-    # CUDA out-of-memory messages show), which the fit margin of tracer/sweep.py covers.
+    # CUDA out-of-memory messages show), which the planner's safety margin covers.
     memory_gib: float
+    bf16_tflops: float | None  # dense tensor-core bf16 with fp32 accumulation; None: no bf16 tensor cores
+    fp16_tflops: float  # dense tensor-core fp16 with fp32 accumulation
+    fp32_tflops: float  # without tensor cores
+    memory_gbps: float  # device memory bandwidth, GB/s
+    interconnect: str
+    interconnect_gbps: float  # GPU-to-GPU bandwidth of one GPU in one direction, GB/s
     context_bytes: int = CUDA_CONTEXT_BYTES
+    note: str = ""
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 1024**3)
 
+    def peak_flops(self, compute_dtype: str) -> float:
+        """Peak FLOP/s of matmuls in ``compute_dtype`` ("bfloat16", "float16", "float32")."""
+        if compute_dtype == "bfloat16":
+            if self.bf16_tflops is None:
+                raise UserError(
+                    f"The {self.description} has no bfloat16 tensor cores: use fp16 (--dtype fp16 or "
+                    "--mixed-precision fp16) or another --gpu."
+                )
+            return self.bf16_tflops * 1e12
+        return (self.fp16_tflops if compute_dtype == "float16" else self.fp32_tflops) * 1e12
+
+
+NVLINK_2 = "NVLink 2 (300 GB/s)"
+NVLINK_3 = "NVLink 3 (600 GB/s)"
+NVLINK_4 = "NVLink 4 (900 GB/s)"
+NVLINK_5 = "NVLink 5 (1.8 TB/s)"
+PCIE_3 = "PCIe 3.0 x16"
+PCIE_4 = "PCIe 4.0 x16"
 
 GPUS: tuple[Gpu, ...] = (
-    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), 16),
-    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), 32),
-    Gpu("t4", "NVIDIA T4", (7, 5), 16),
-    Gpu("a10g", "NVIDIA A10G", (8, 6), 24),
-    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24),
-    Gpu("l4", "NVIDIA L4", (8, 9), 24),
-    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24),
-    Gpu("l40s", "NVIDIA L40S", (8, 9), 48),
-    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), 40),
-    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), 80),
-    Gpu("h100", "NVIDIA H100 80GB", (9, 0), 80),
-    Gpu("h200", "NVIDIA H200", (9, 0), 141),
-    Gpu("b200", "NVIDIA B200", (10, 0), 180),
+    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), 16, None, 125, 15.7, 900, NVLINK_2, 150),
+    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), 32, None, 125, 15.7, 900, NVLINK_2, 150),
+    Gpu("t4", "NVIDIA T4", (7, 5), 16, None, 65, 8.1, 320, PCIE_3, PCIE_3_X16_GBPS),
+    Gpu(
+        "a10g",
+        "NVIDIA A10G",
+        (8, 6),
+        24,
+        70,
+        70,
+        31.2,
+        600,
+        PCIE_4,
+        PCIE_4_X16_GBPS,
+        note="AWS part without an NVIDIA datasheet: throughput as AWS quotes it for G5 instances",
+    ),
+    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24, 71, 71, 35.6, 936, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("l4", "NVIDIA L4", (8, 9), 24, 121, 121, 30.3, 300, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24, 165.2, 165.2, 82.6, 1008, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("l40s", "NVIDIA L40S", (8, 9), 48, 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), 40, 312, 312, 19.5, 1555, NVLINK_3, 300),
+    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), 80, 312, 312, 19.5, 2039, NVLINK_3, 300),
+    Gpu("h100", "NVIDIA H100 80GB", (9, 0), 80, 989, 989, 67, 3350, NVLINK_4, 450),
+    Gpu("h200", "NVIDIA H200", (9, 0), 141, 989, 989, 67, 4800, NVLINK_4, 450),
+    Gpu("b200", "NVIDIA B200", (10, 0), 180, 2250, 2250, 75, 8000, NVLINK_5, 900),
+    Gpu(
+        "mi300x",
+        "AMD Instinct MI300X",
+        (9, 0),
+        192,
+        1307.4,
+        1307.4,
+        163.4,
+        5300,
+        "Infinity Fabric (896 GB/s)",
+        448,
+        note="ROCm: the trace assumes CUDA sm90 kernels and workspaces, which ROCm's differ from",
+    ),
 )
 
 _BY_NAME = {gpu.name: gpu for gpu in GPUS} | {"h100-80gb": next(g for g in GPUS if g.name == "h100")}
@@ -50,7 +112,7 @@ _BY_NAME = {gpu.name: gpu for gpu in GPUS} | {"h100-80gb": next(g for g in GPUS 
 def find_gpu(name: str) -> Gpu:
     gpu = _BY_NAME.get(name.lower())
     if gpu is None:
-        raise UserError(f"Unknown GPU {name!r}. Known: {', '.join(g.name for g in GPUS)}.")
+        raise UserError(f"Unknown GPU {name!r}. Known: {', '.join(g.name for g in GPUS)} (python -m tracer gpus).")
     return gpu
 
 

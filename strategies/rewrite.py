@@ -11,7 +11,7 @@ from itertools import count
 from typing import NamedTuple
 
 from analysis.allocator import block_size
-from tracer.graph import StepGraph, StorageRow
+from tracer.graph import StepGraph, StorageRow, replaced
 from tracer.roles import Phase, Role
 from tracer.trace import Op
 
@@ -54,19 +54,17 @@ class Rewrite:
         self, storage_id: int, nbytes: int, dtype: str | None = None, shape: tuple[int, ...] | None = None
     ) -> None:
         row, first, last = self._rows[storage_id]
-        row = _replaced(
-            row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype, shape=shape or row.shape
-        )
+        row = replaced(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype, shape=shape or row.shape)
         self._rows[storage_id] = (row, first, last)
 
     def to_host(self, storage_id: int) -> None:
         """The storage lives in host memory instead (offloaded)."""
         row, first, last = self._rows[storage_id]
-        self._rows[storage_id] = (_replaced(row, on_device=False), first, last)
+        self._rows[storage_id] = (replaced(row, on_device=False), first, last)
 
     def set_role(self, storage_id: int, role: Role) -> None:
         row, first, last = self._rows[storage_id]
-        self._rows[storage_id] = (_replaced(row, role=role), first, last)
+        self._rows[storage_id] = (replaced(row, role=role), first, last)
 
     def lifetime(self, storage_id: int) -> tuple[Point | None, Point | None]:
         """Where the storage is allocated and freed now (None: before / after the step)."""
@@ -125,24 +123,16 @@ class Rewrite:
         ops = []
         for index, point in enumerate(points):
             op = self.step.ops[point.original] if point.slot == 0 else self._inserted[point]
-            ops.append(op if op.index == index else _replaced(op, index=index))
+            ops.append(op if op.index == index else replaced(op, index=index))
         rows = {}
         for storage_id, (row, first, last) in self._rows.items():
-            rows[storage_id] = _replaced(
+            rows[storage_id] = replaced(
                 row,
                 producer=None if first is None else index_of[first],
                 freed_after=None if last is None else index_of[last],
                 users=tuple(renumbered[u] for u in row.users),
             )
         return StepGraph(ops=ops, storages=rows, structure=self.step.structure, transfers=self.transfers)
-
-
-def _replaced(frozen, **changes):
-    """``dataclasses.replace`` for the frozen rows and ops, without re-running ``__init__``: a rewrite copies
-    every row and op of the step, and ``replace`` was most of the time spent evaluating a layout."""
-    copy = object.__new__(type(frozen))
-    copy.__dict__.update(frozen.__dict__, **changes)
-    return copy
 
 
 def _point(index: int | None) -> Point | None:

@@ -36,6 +36,14 @@ class StorageRow:
         return math.prod(self.shape)
 
 
+def replaced(frozen, **changes):
+    """``dataclasses.replace`` for rows and ops, without re-running ``__init__``: transforms copy every row and
+    op of a step, and ``replace`` was most of the time spent evaluating a layout."""
+    copy = object.__new__(type(frozen))
+    copy.__dict__.update(frozen.__dict__, **changes)
+    return copy
+
+
 HOST_TO_DEVICE = "host to device"
 DEVICE_TO_HOST = "device to host"
 

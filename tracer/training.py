@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from analysis.gpus import PCIE_4_X16_GBPS
 from tracer.errors import UserError
 
 
@@ -37,8 +38,6 @@ TRAINING_ONLY = (
 )
 INFERENCE_ONLY = ("max_new_tokens", "cache", "logits_to_keep")
 CACHES = ("dynamic", "static")  # transformers' DynamicCache and StaticCache
-# PCIe 4.0 x16: 16 GT/s per lane x 16 lanes x 128/130 encoding = 31.5 GB/s each way (PCI-SIG, PCIe 4.0 base spec).
-PCIE_4_X16_GBPS = 31.5
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,110 @@
+"""The step at any batch size from the same step traced at two consecutive batch sizes.
+
+The batch size changes no op and no lifetime of a step, only the sizes of what the batch flows through; each
+such size is a product of dimensions one of which is the batch (or the batch times the sequence). So every
+storage's bytes and every dimension of its shape, and every op's FLOPs and traffic, are affine in the batch
+size, and two steps determine them all: ``BatchLine(step_2, step_3, 2).at(b)`` is the step at batch ``b``
+without tracing it. tests/test_plan.py checks this against fresh traces at other batch sizes.
+
+Batch 1 is not on the line: some code copies a tensor only when it is not contiguous, and a slice of a
+batch of one often is (transformers' loss makes ``labels[..., 1:].contiguous()``), so batch 1 is traced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from analysis.allocator import block_size
+from tracer.graph import StepGraph, StorageRow, replaced
+from tracer.trace import Op
+
+
+class BatchShapeError(ValueError):
+    """The two steps differ in more than sizes, so neither is a resized copy of the other."""
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    one: StepGraph  # the step at batch size ``first``
+    two: StepGraph  # the same step at batch size ``first + 1``
+    first: int = 2
+
+    def __post_init__(self) -> None:
+        _check_same_structure(self.one, self.two)
+
+    @cached_property
+    def _scaled_storages(self) -> list[int]:
+        return [storage_id for storage_id, row in self.one.storages.items() if row != self.two.storages[storage_id]]
+
+    @cached_property
+    def _scaled_ops(self) -> list[int]:
+        return [
+            op.index
+            for op, two in zip(self.one.ops, self.two.ops, strict=True)
+            if (op.flops, op.bytes_moved) != (two.flops, two.bytes_moved)
+        ]
+
+    def at(self, batch: int) -> StepGraph:
+        if batch < self.first:
+            raise ValueError(f"batch {batch} is below the line, which starts at batch {self.first}")
+        steps = batch - self.first
+        rows = dict(self.one.storages)
+        for storage_id in self._scaled_storages:
+            rows[storage_id] = _row_at(rows[storage_id], self.two.storages[storage_id], steps)
+        ops = list(self.one.ops)
+        for index in self._scaled_ops:
+            ops[index] = _op_at(ops[index], self.two.ops[index], steps)
+        transfers = [
+            one if one == two else replaced(one, nbytes=_affine(one.nbytes, two.nbytes, steps))
+            for one, two in zip(self.one.transfers, self.two.transfers, strict=True)
+        ]
+        return StepGraph(ops=ops, storages=rows, structure=self.one.structure, transfers=transfers)
+
+
+def _affine(one: int, two: int, steps: int) -> int:
+    return one + (two - one) * steps
+
+
+def _row_at(one: StorageRow, two: StorageRow, steps: int) -> StorageRow:
+    nbytes = _affine(one.nbytes, two.nbytes, steps)
+    shape = tuple(_affine(a, b, steps) for a, b in zip(one.shape, two.shape, strict=True))
+    return replaced(one, nbytes=nbytes, bytes=block_size(nbytes), shape=shape)
+
+
+def _op_at(one: Op, two: Op, steps: int) -> Op:
+    return replaced(
+        one, flops=_affine(one.flops, two.flops, steps), bytes_moved=_affine(one.bytes_moved, two.bytes_moved, steps)
+    )
+
+
+_SIZES = {"bytes", "nbytes", "shape"}
+
+
+def _check_same_structure(one: StepGraph, two: StepGraph) -> None:
+    if len(one.ops) != len(two.ops) or one.storages.keys() != two.storages.keys():
+        raise BatchShapeError(
+            f"{len(one.ops)} ops and {len(one.storages)} storages at one batch size, "
+            f"{len(two.ops)} and {len(two.storages)} at the next"
+        )
+    for a, b in zip(one.ops, two.ops, strict=True):
+        if (a.target, a.module, a.phase, a.inputs, a.outputs, a.recompute) != (
+            b.target,
+            b.module,
+            b.phase,
+            b.inputs,
+            b.outputs,
+            b.recompute,
+        ):
+            raise BatchShapeError(f"op {a.index} is {a.target} at one batch size and {b.target} at the next")
+    for storage_id, a in one.storages.items():
+        b = two.storages[storage_id]
+        if a == b:
+            continue
+        differing = {name for name, value in a.__dict__.items() if b.__dict__[name] != value}
+        if not differing <= _SIZES or len(a.shape) != len(b.shape):
+            raise BatchShapeError(f"storage {storage_id} ({a.name or a.role.value}) differs in {sorted(differing)}")
+    if [(t.phase, t.direction, t.what, t.overlaps) for t in one.transfers] != [
+        (t.phase, t.direction, t.what, t.overlaps) for t in two.transfers
+    ]:
+        raise BatchShapeError("the host transfers differ")
