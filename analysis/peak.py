@@ -8,6 +8,9 @@ is the most memory it can need.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 from analysis.liveness import lifetimes
 from tracer.graph import StepGraph
@@ -17,23 +20,24 @@ from tracer.roles import Role
 @dataclass(frozen=True)
 class Timeline:
     roles: tuple[Role, ...]
-    live: list[list[int]]  # live[i][r]: bytes of role roles[r] live at op i
+    live: np.ndarray  # live[i, r]: bytes of role roles[r] live at op i (int64)
+
+    @cached_property
+    def totals(self) -> np.ndarray:
+        return self.live.sum(axis=1)
 
     def total(self, index: int) -> int:
-        return sum(self.live[index])
+        return int(self.totals[index])
 
     def breakdown(self, index: int) -> dict[Role, int]:
-        return dict(zip(self.roles, self.live[index], strict=True))
+        return {role: int(value) for role, value in zip(self.roles, self.live[index], strict=True)}
 
     def with_allocator_slack(self, allocated_at: list[int]) -> Timeline:
         """The timeline as the caching allocator counts it: ``allocated_at[i]`` (its allocated bytes at op
         ``i``) less the rounded requests live there is the slack of blocks handed out whole."""
         slot = self.roles.index(Role.ALLOCATOR_SLACK)
-        live = []
-        for index, row in enumerate(self.live):
-            row = list(row)
-            row[slot] = allocated_at[index] - (sum(row) - row[slot])
-            live.append(row)
+        live = self.live.copy()
+        live[:, slot] = np.asarray(allocated_at, dtype=np.int64) - (self.totals - self.live[:, slot])
         return Timeline(self.roles, live)
 
 
@@ -45,26 +49,23 @@ class Peak:
 
 
 def timeline(step: StepGraph, rounded: bool = True) -> Timeline:
-    spans = lifetimes(step, rounded)
     roles = tuple(Role)
     slot = {role: r for r, role in enumerate(roles)}
     count = len(step.ops)
-    allocated = [[0] * len(roles) for _ in range(count)]
-    released = [[0] * len(roles) for _ in range(count)]
-    for span in spans:
-        allocated[span.first][slot[span.role]] += span.bytes
-        released[span.last][slot[span.role]] += span.bytes
-    live = []
-    running = [0] * len(roles)
-    for index in range(count):
-        now = [held + new for held, new in zip(running, allocated[index], strict=True)]
-        live.append(now)
-        running = [held - gone for held, gone in zip(now, released[index], strict=True)]
-    return Timeline(roles, live)
+    # change[i]: bytes allocated at op i less those freed after op i - 1; the running sum is what is live
+    change = np.zeros((count + 1, len(roles)), dtype=np.int64)
+    spans = lifetimes(step, rounded)
+    columns = np.fromiter((slot[span.role] for span in spans), dtype=np.int64, count=len(spans))
+    sizes = np.fromiter((span.bytes for span in spans), dtype=np.int64, count=len(spans))
+    firsts = np.fromiter((span.first for span in spans), dtype=np.int64, count=len(spans))
+    ends = np.fromiter((span.last + 1 for span in spans), dtype=np.int64, count=len(spans))
+    np.add.at(change, (firsts, columns), sizes)
+    np.add.at(change, (ends, columns), -sizes)
+    return Timeline(roles, np.cumsum(change[:count], axis=0))
 
 
 def find_peak(line: Timeline) -> Peak:
-    index = max(range(len(line.live)), key=line.total)
+    index = int(np.argmax(line.totals))
     return Peak(index, line.total(index), line.breakdown(index))
 
 

@@ -1,5 +1,7 @@
 """Bytes for people. Internally everything stays an integer number of bytes."""
 
+from tracer.errors import UserError
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -19,3 +21,20 @@ def format_count(count: int) -> str:
         if count >= scale:
             return f"{count / scale:.2f}{suffix}"
     return str(count)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1024, "mib": MIB, "gib": GIB}
+_UNITS["tib"] = 1024 * GIB
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``"80GiB"``, ``"24 GB"``, ``"81920MiB"`` -> bytes (GB decimal, GiB binary, as they are defined)."""
+    number = text.strip().lower().rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = text.strip().lower()[len(number) :].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or value <= 0:
+        raise UserError(f"{flag} takes a size such as 80GiB or 24GB (got {text!r}).")
+    return int(value * _UNITS[unit])

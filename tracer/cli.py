@@ -9,7 +9,9 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 
+from analysis.gpus import PCIE_4_X16_GBPS
 from tracer.errors import UserError
 from tracer.training import (
     ATTENTIONS,
@@ -19,7 +21,6 @@ from tracer.training import (
     MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
-    PCIE_4_X16_GBPS,
     LoraSetup,
     Target,
     TrainingSetup,
@@ -110,13 +111,31 @@ def _parser() -> argparse.ArgumentParser:
     _add_layout_arguments(compare)
     compare.set_defaults(run=_run_compare)
 
+    planner = commands.add_parser(
+        "plan",
+        help="rank every multi-GPU layout by training speed, each at the largest micro-batch that fits",
+        description="For MODEL on --gpus GPUs of one kind: every layout (DDP, ZeRO-1/2/3 as PyTorch and DeepSpeed "
+        "run them, every tensor-parallel degree that divides the GPUs and the heads, their products, optimizer "
+        "offload), each with and without full activation checkpointing; for each, the largest micro-batch whose "
+        "predicted reserved memory plus CUDA context fits the GPU less --margin, the gradient accumulation that "
+        "reaches --global-batch, and the step time and tokens/s; then one recommendation and why.",
+    )
+    _add_step_arguments(planner, searches_batch=True)
+    _add_plan_arguments(planner)
+    planner.set_defaults(run=_run_plan)
+
+    gpus = commands.add_parser("gpus", help="list the GPU catalog (memory, throughput, bandwidth, interconnect)")
+    gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    gpus.set_defaults(run=_run_gpus)
+
     models = commands.add_parser("models", help="list the bundled model configs")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     models.set_defaults(run=_run_models)
     return parser
 
 
-def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = False) -> None:
+    """The setup of the step; ``searches_batch``: the command picks the batch size (and trains on CUDA)."""
     defaults = TrainingSetup()
     parser.add_argument(
         "model",
@@ -124,7 +143,10 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face model id (bundled, cached or on the Hub), a config.json path, or a directory "
         "holding config.json",
     )
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default 1)")
+    if not searches_batch:
+        parser.add_argument(
+            "--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default 1)"
+        )
     parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (default 1024)")
     parser.add_argument(
         "--dtype", choices=DTYPES, default=defaults.dtype, help="dtype of the stored parameters (default fp32)"
@@ -158,12 +180,13 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.attn,
         help="attention implementation; sdpa (default) falls back to eager for models without an SDPA path",
     )
-    parser.add_argument(
-        "--target",
-        choices=[t.value for t in Target],
-        default=defaults.target.value,
-        help="reproduce what a CUDA GPU runs (default) or what the CPU runs (for comparing with measure on CPU)",
-    )
+    if not searches_batch:
+        parser.add_argument(
+            "--target",
+            choices=[t.value for t in Target],
+            default=defaults.target.value,
+            help="reproduce what a CUDA GPU runs (default) or what the CPU runs (for comparing with measure on CPU)",
+        )
     parser.add_argument(
         "--gpu",
         default=None,
@@ -180,7 +203,8 @@ def _add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     _add_variant_arguments(parser)
-    _add_inference_arguments(parser)
+    if not searches_batch:
+        _add_inference_arguments(parser)
 
 
 def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
@@ -310,6 +334,159 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from analysis.budget import DEFAULT_MARGIN
+    from analysis.steptime import GPUS_PER_NODE, HOST_OPTIMIZER_GBPS, INTERNODE_GBPS
+
+    group = parser.add_argument_group("cluster and budget")
+    group.add_argument("--gpus", type=int, default=1, help="total number of GPUs (default 1)")
+    group.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step over all GPUs, reached by gradient accumulation; default: each layout "
+        "at its largest micro-batch without accumulation",
+    )
+    group.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of each GPU, e.g. 80GiB or 24GB, instead of the --gpu catalog's",
+    )
+    group.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help=f"share of GPU memory kept free for what the estimate does not hold: NCCL buffers, side-stream pools, "
+        f"the estimate's error (default {DEFAULT_MARGIN})",
+    )
+    group.add_argument(
+        "--tflops", type=float, default=None, help="peak dense TFLOP/s in the compute dtype, instead of the catalog's"
+    )
+    group.add_argument(
+        "--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s, instead of the catalog's"
+    )
+    group.add_argument(
+        "--interconnect-gbps",
+        type=float,
+        default=None,
+        help="GPU-to-GPU bandwidth of one GPU in one direction inside a node, GB/s, instead of the catalog's",
+    )
+    group.add_argument(
+        "--internode-gbps",
+        type=float,
+        default=INTERNODE_GBPS,
+        help=f"network bandwidth per GPU between nodes, one direction, GB/s (default {INTERNODE_GBPS:g}: 400 Gb/s)",
+    )
+    group.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=GPUS_PER_NODE,
+        help=f"GPUs per node; tensor parallelism stays inside one (default {GPUS_PER_NODE})",
+    )
+    group.add_argument(
+        "--pcie-gbps",
+        type=float,
+        default=PCIE_4_X16_GBPS,
+        help=f"host link bandwidth each way in GB/s, for offloading (default {PCIE_4_X16_GBPS}: PCIe 4.0 x16)",
+    )
+    group.add_argument(
+        "--host-optimizer-gbps",
+        type=float,
+        default=HOST_OPTIMIZER_GBPS,
+        help=f"host memory bandwidth an offloaded optimizer step streams at, GB/s (default {HOST_OPTIMIZER_GBPS:g})",
+    )
+    group.add_argument("--no-offload", action="store_true", help="leave optimizer-offload layouts out")
+    group.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="processes searching layouts (default: one per CPU)"
+    )
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from analysis.budget import MemoryBudget
+    from analysis.gpus import find_gpu
+    from analysis.steptime import Cluster
+    from analysis.units import parse_bytes
+    from tracer.plan import plan
+    from tracer.plan_render import plan_json, render_plan
+    from tracer.resolve import resolve_model
+
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--jobs", args.jobs)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1 (got {value}).")
+    if args.grad_accum != 1:
+        raise UserError("plan picks the gradient accumulation itself: give --global-batch instead of --grad-accum.")
+    if not 0 <= args.margin < 1:
+        raise UserError(f"--margin is a share of GPU memory in [0, 1) (got {args.margin}).")
+    setup = _setup(args)
+    gpu = find_gpu(setup.gpu)
+    overrides = {}
+    if args.gpu_memory:
+        overrides["memory_gib"] = parse_bytes(args.gpu_memory, "--gpu-memory") / 1024**3
+    if args.tflops:
+        overrides |= {"bf16_tflops": args.tflops, "fp16_tflops": args.tflops, "fp32_tflops": args.tflops}
+    if args.memory_gbps:
+        overrides["memory_gbps"] = args.memory_gbps
+    if args.interconnect_gbps:
+        overrides["interconnect_gbps"] = args.interconnect_gbps
+    for flag, value in overrides.items():
+        if value <= 0:
+            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {value}).")
+    gpu = dataclasses.replace(gpu, **overrides)
+    cluster = Cluster(gpu, args.gpus_per_node, args.internode_gbps, args.pcie_gbps, args.host_optimizer_gbps)
+    budget = MemoryBudget(gpu.memory_bytes, args.margin)
+    model = resolve_model(args.model)
+    _warn_about_length(model, setup)
+    with _progress_bar(args, "planning") as bar:
+        result = plan(
+            model,
+            setup,
+            args.gpus,
+            cluster,
+            budget,
+            args.global_batch,
+            offload=not args.no_offload,
+            jobs=args.jobs,
+            on_progress=bar,
+        )
+    print(json.dumps(plan_json(result), indent=2) if args.json else render_plan(result))
+    return 0
+
+
+def _run_gpus(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from analysis.gpus import GPUS
+
+    if args.json:
+        print(json.dumps([gpu.__dict__ for gpu in GPUS], indent=2))
+        return 0
+    rows = [
+        (
+            gpu.name,
+            gpu.description,
+            f"{gpu.memory_gib:g}",
+            f"{gpu.bf16_tflops:g}" if gpu.bf16_tflops else "-",
+            f"{gpu.fp16_tflops:g}",
+            f"{gpu.fp32_tflops:g}",
+            f"{gpu.memory_gbps:,.0f}",
+            f"{gpu.interconnect} ({gpu.interconnect_gbps:g} each way)",
+            f"sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}",
+        )
+        for gpu in GPUS
+    ]
+    headers = ["--gpu", "GPU", "GiB", "bf16 TFLOP/s", "fp16", "fp32", "memory GB/s", "GPU-to-GPU GB/s", "arch"]
+    print(tabulate(rows, headers=headers, colalign=("left", "left", *["right"] * 5, "left", "left")))
+    notes = [f"  {gpu.name}: {gpu.note}" for gpu in GPUS if gpu.note]
+    print(
+        "\nDense throughput (no sparsity), datasheet figures; --gpu-memory, --tflops, --memory-gbps and "
+        "--interconnect-gbps override them.\n" + "\n".join(notes)
+    )
+    return 0
+
+
 def _layout(args: argparse.Namespace):
     from strategies.layout import Layout
 
@@ -326,7 +503,7 @@ def _layout(args: argparse.Namespace):
 
 def _setup(args: argparse.Namespace) -> TrainingSetup:
     quantize = "nf4" if args.qlora else "int8" if args.load_in_8bit else None
-    if args.quantize:
+    if getattr(args, "quantize", None):
         quantize = "fp4" if args.quantize == "int4" else args.quantize
     lora = None
     if args.lora_r is not None or args.qlora or args.load_in_8bit:
@@ -334,14 +511,19 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         lora = LoraSetup(
             r=args.lora_r or LoraSetup.r, alpha=args.lora_alpha, targets=targets, dropout=args.lora_dropout
         )
+    inference = {
+        name: getattr(args, name)
+        for name in ("mode", "max_new_tokens", "cache", "logits_to_keep")
+        if hasattr(args, name)
+    }
     return TrainingSetup(
-        batch_size=args.batch_size,
+        batch_size=getattr(args, "batch_size", 1),
         seq_len=args.seq_len,
         dtype=args.dtype,
         mixed_precision=args.mixed_precision,
         optimizer=args.optimizer,
         attn=args.attn,
-        target=Target(args.target),
+        target=Target(getattr(args, "target", Target.CUDA.value)),
         gpu=args.gpu or TrainingSetup.gpu,
         grad_checkpointing=args.grad_checkpointing,
         reentrant=args.reentrant,
@@ -350,10 +532,7 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         grad_accum=args.grad_accum,
         optimizer_impl=args.optimizer_impl,
         pcie_gbps=getattr(args, "pcie_gbps", PCIE_4_X16_GBPS),
-        mode=args.mode,
-        max_new_tokens=args.max_new_tokens,
-        cache=args.cache,
-        logits_to_keep=args.logits_to_keep,
+        **inference,
         expandable_segments=_expandable_segments(args),
     )
 
@@ -362,7 +541,7 @@ def _expandable_segments(args: argparse.Namespace) -> bool:
     if args.expandable_segments is not None:
         return args.expandable_segments
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", "")
-    return args.target == Target.CUDA.value and "expandable_segments:true" in conf
+    return getattr(args, "target", Target.CUDA.value) == Target.CUDA.value and "expandable_segments:true" in conf
 
 
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
@@ -533,6 +712,27 @@ def _warn_about_length(model, setup: TrainingSetup) -> None:
             "the estimate still runs, but the model was not trained for it.",
             file=sys.stderr,
         )
+
+
+@contextmanager
+def _progress_bar(args: argparse.Namespace, what: str):
+    """A tqdm bar on stderr fed with ``(message, done, total)``; a total of 0 is a stage without a count.
+    Silent with --quiet or --json."""
+    if args.quiet or args.json:
+        yield lambda message, done, total: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(desc=what, file=sys.stderr, unit="layout", dynamic_ncols=True, leave=True) as bar:
+
+        def update(message: str, done: int, total: int) -> None:
+            if total:
+                bar.total = total
+                bar.n = done
+            bar.set_postfix_str(message[:60])
+            bar.refresh()
+
+        yield update
 
 
 def _progress(args: argparse.Namespace, message: str, end: str = "\n") -> None:

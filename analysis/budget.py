@@ -1,0 +1,41 @@
+"""What fits a GPU: the device memory a step needs against the GPU's capacity less a safety margin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from analysis.report import MemoryReport
+from analysis.units import format_bytes
+
+# Share of the GPU's capacity kept free. What the estimate does not hold: torch reports a little less total
+# memory than the datasheet (79.1-79.3 GiB of an 80 GB part), NCCL's communicator buffers, the side streams'
+# own allocator pools of FSDP and DeepSpeed, and the estimate's own error.
+DEFAULT_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    capacity_bytes: int
+    margin: float = DEFAULT_MARGIN
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.capacity_bytes * (1 - self.margin))
+
+    def needed_bytes(self, report: MemoryReport) -> int:
+        """Device memory of the most loaded GPU: reserved memory plus the CUDA context where the caching
+        allocator was replayed (``--target cuda``), else the allocated peak."""
+        reports = report.ranks or [report]
+        return max(r.device_total_bytes if r.device_total_bytes is not None else r.peak_bytes for r in reports)
+
+    def fits(self, report: MemoryReport) -> bool:
+        return self.needed_bytes(report) <= self.usable_bytes
+
+    def shortfall_bytes(self, report: MemoryReport) -> int:
+        return self.needed_bytes(report) - self.usable_bytes
+
+    def describe(self) -> str:
+        return (
+            f"reserved memory + CUDA context <= {format_bytes(self.usable_bytes)} "
+            f"({100 - 100 * self.margin:g}% of {format_bytes(self.capacity_bytes)})"
+        )

@@ -1,0 +1,143 @@
+"""The planner: the batch line against fresh traces, its chosen batch against analyze, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from tiny_models import tiny_model
+
+from analysis.batch_line import BatchLine
+from analysis.budget import MemoryBudget
+from analysis.gpus import find_gpu
+from analysis.steptime import Cluster
+from strategies.apply import apply, ranks
+from strategies.layout import Layout
+from tracer.analyze import analyze
+from tracer.cli import main
+from tracer.graph import build_graph
+from tracer.plan import Candidate, plan
+from tracer.tracing import trace_step
+from tracer.training import TrainingSetup
+
+SETUP = TrainingSetup(seq_len=64, dtype="bf16")
+LAYOUTS = (Layout(gpus=4), Layout(gpus=4, zero=3), Layout(gpus=4, zero=2, engine="deepspeed"), Layout(gpus=4, tp=2))
+
+
+def _step(model, setup: TrainingSetup, batch: int):
+    return build_graph(trace_step(model, dataclasses.replace(setup, batch_size=batch)))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("checkpointing", [None, "full"])
+def test_batch_line_equals_fresh_traces(family, checkpointing):
+    """The planner's batch sizes come off the line through batches 2 and 3: at 5 and 8 every storage, op and
+    transfer equals a fresh trace's, single-GPU and for each rank of each layout."""
+    model = tiny_model(family)
+    setup = dataclasses.replace(SETUP, grad_checkpointing=checkpointing)
+    steps = {batch: _step(model, setup, batch) for batch in (2, 3, 5, 8)}
+    line = BatchLine(steps[2], steps[3])
+    for batch in (5, 8):
+        got = line.at(batch)
+        assert (got.ops, got.storages) == (steps[batch].ops, steps[batch].storages)
+    for layout in LAYOUTS:
+        if layout.tp > 1 and family == "gpt2":
+            continue  # no tensor-parallel plan in transformers
+        for rank in ranks(layout, steps[2]):
+            ranked = {b: apply(steps[b], layout, dataclasses.replace(setup, batch_size=b), rank) for b in steps}
+            rank_line = BatchLine(ranked[2], ranked[3])
+            for batch in (5, 8):
+                got, fresh = rank_line.at(batch), ranked[batch]
+                assert (got.ops, got.storages, got.transfers) == (fresh.ops, fresh.storages, fresh.transfers)
+
+
+def test_chosen_batch_is_the_largest_that_fits_by_analyze():
+    """For every layout the planner keeps, ``analyze`` at its micro-batch fits the budget and at one more
+    does not (or the micro-batch is the per-rank share of the global batch)."""
+    model = tiny_model("llama")
+    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=None, offload=False)
+    checked = 0
+    for outcome in result.outcomes:
+        layout = outcome.candidate.layout
+        setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing)
+        if outcome.fits:
+            assert budget.fits(analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout))
+        assert not budget.fits(analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch + 1), layout))
+        checked += 1
+    assert checked >= 10
+    assert any(o.micro_batch > 3 for o in result.outcomes)  # batches off the line were chosen, not only traced ones
+
+
+def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
+    model = tiny_model("llama")
+    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    result = plan(model, SETUP, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=64, offload=False)
+    fitting = [o for o in result.outcomes if o.fits]
+    assert fitting and result.best is fitting[0]
+    for outcome in fitting:
+        assert outcome.micro_batch * outcome.accumulation * outcome.candidate.layout.dp == 64
+        assert outcome.time.total_s > 0
+    speeds = [o.tokens_per_second for o in fitting]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_nothing_fits_names_a_change_that_would():
+    """Model states of ~200 MB on one GPU of 0.5 GiB, 0.43 GiB of it CUDA context and cuBLAS workspace:
+    nothing fits one GPU, and sharding over more GPUs is the change named."""
+    model = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    result = plan(model, SETUP, 1, Cluster(gpu), MemoryBudget(gpu.memory_bytes), offload=False)
+    assert result.best is None
+    assert any("--gpus" in suggestion for suggestion in result.suggestions), result.suggestions
+
+
+def test_candidates_cover_data_and_tensor_parallel_with_and_without_checkpointing():
+    model = tiny_model("llama")
+    result = plan(model, SETUP, 4, Cluster(find_gpu("h100")), MemoryBudget(find_gpu("h100").memory_bytes))
+    seen = {o.candidate for o in result.outcomes}
+    assert Candidate(Layout(gpus=4), None) in seen and Candidate(Layout(gpus=4), "full") in seen
+    assert Candidate(Layout(gpus=4, tp=4), None) not in seen  # 2 key/value heads
+    assert any("tensor parallel 4" in reason for reason in result.skipped)
+    assert Candidate(Layout(gpus=4, tp=2, zero=3), None) in seen
+    assert Candidate(Layout(gpus=4, zero=3, engine="deepspeed", offload="optimizer,params"), "full") in seen
+
+
+def test_plan_cli_json(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(tiny_model("llama").config.to_json_string())
+    argv = ["plan", str(config), "--gpus", "2", "--seq-len", "64", "--dtype", "bf16", "--gpu-memory", "512MiB"]
+    assert main([*argv, "--global-batch", "16", "--json", "--jobs", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["recommended"]["fits"] and data["global_batch"] == 16
+    assert len(data["candidates"]) >= 10
+    assert main([*argv, "--quiet", "--jobs", "2", "--no-offload"]) == 0
+    assert "Recommended:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpus", "0"], "--gpus must be at least 1"),
+        (["--margin", "1.5"], "--margin"),
+        (["--gpu-memory", "lots"], "--gpu-memory takes a size"),
+        (["--grad-accum", "4"], "--global-batch instead"),
+        (["--global-batch", "0"], "--global-batch must be at least 1"),
+        (["--gpu", "v100-32gb", "--dtype", "bf16"], "no bfloat16"),
+    ],
+)
+def test_plan_cli_errors(tmp_path, capsys, flags, message):
+    config = tmp_path / "config.json"
+    config.write_text(tiny_model("llama").config.to_json_string())
+    assert main(["plan", str(config), "--seq-len", "64", "--quiet", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpus_catalog(capsys):
+    assert main(["gpus", "--json"]) == 0
+    names = {gpu["name"] for gpu in json.loads(capsys.readouterr().out)}
+    for name in ("v100-16gb", "v100-32gb", "t4", "a10g", "rtx3090", "rtx4090", "l4", "l40s", "a100-40gb"):
+        assert name in names
+    assert {"a100-80gb", "h100", "h200", "b200", "mi300x"} <= names

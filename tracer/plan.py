@@ -1,0 +1,423 @@
+"""The planner: every layout of a GPU budget, each with the largest micro-batch that fits and its step time,
+ranked by training throughput (LLMem's decision, over many more layouts).
+
+Each distinct single-GPU step (with or without checkpointing, and the low-precision step sharded mixed
+precision traces) is traced at batch sizes 2 and 3 and, when a layout needs it, 1. Every other batch size is a
+point on the line through 2 and 3 (analysis/batch_line.py), for the traced step and for each rank's transformed
+step, so the batch search re-traces nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from analysis.batch_line import BatchLine, BatchShapeError
+from analysis.budget import MemoryBudget
+from analysis.report import MemoryReport
+from analysis.steptime import Cluster, StepTime, step_time
+from analysis.units import format_bytes
+from strategies.apply import Rank, apply, check_layout, ranks, traced_setup
+from strategies.layout import Layout
+from tracer.analyze import RankEstimate, busiest, rank_estimate, with_layout_assumptions
+from tracer.errors import UserError
+from tracer.graph import StepGraph, build_graph
+from tracer.resolve import ResolvedModel
+from tracer.trace import Trace
+from tracer.tracing import trace_step, traced_micro_steps
+from tracer.training import LoraSetup, TrainingSetup
+
+MAX_MICRO_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    checkpointing: str | None  # --grad-checkpointing
+
+    def describe(self) -> str:
+        scheme = self.layout.describe().partition(": ")[2] or "single GPU"
+        return scheme + (f", {self.checkpointing} checkpointing" if self.checkpointing else "")
+
+
+@dataclass
+class Outcome:
+    candidate: Candidate
+    micro_batch: int = 0  # 0: not even one sequence fits
+    accumulation: int = 1
+    report: MemoryReport | None = None  # at micro_batch, or at batch 1 when nothing fits
+    needed_bytes: int = 0
+    time: StepTime | None = None
+    tokens_per_second: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.micro_batch > 0
+
+
+@dataclass
+class Plan:
+    model_id: str
+    setup: TrainingSetup
+    cluster: Cluster
+    budget: MemoryBudget
+    gpus: int
+    global_batch: int | None
+    outcomes: list[Outcome]  # fitting ones fastest first, then the rest
+    skipped: list[str]  # layouts not considered, with why
+    suggestions: list[str] = field(default_factory=list)  # when nothing fits
+
+    @property
+    def best(self) -> Outcome | None:
+        return self.outcomes[0] if self.outcomes and self.outcomes[0].fits else None
+
+
+def candidates(
+    model: ResolvedModel, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True
+) -> tuple[list[Candidate], list[str]]:
+    """Every layout of ``gpus`` GPUs the model and step can be split into, each with and without full
+    activation checkpointing (only the user's choice if they made one); and the layouts left out, with why."""
+    layouts: list[Layout] = []
+    skipped: list[str] = []
+    for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
+        if tp > cluster.gpus_per_node:
+            skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
+            continue
+        try:
+            Layout(gpus=gpus, tp=tp).check_model(model.config)
+        except UserError as error:
+            skipped.append(f"tensor parallel {tp}: {error}")
+            continue
+        layouts += _data_parallel_layouts(gpus, tp, offload)
+    checkpointing = (setup.grad_checkpointing,) if setup.grad_checkpointing else (None, "full")
+    chosen = []
+    for layout in layouts:
+        try:
+            check_layout(layout, setup, model.config)
+        except UserError as error:
+            skipped.append(f"{layout.describe()}: {error}")
+            continue
+        chosen += [Candidate(layout, mode) for mode in checkpointing]
+    return chosen, skipped
+
+
+def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
+    dp = gpus // tp
+    if dp == 1:
+        single = [Layout(gpus=gpus, tp=tp)]
+        if offload and tp == 1:
+            single.append(Layout(zero=2, engine="deepspeed", offload="optimizer"))
+        return single
+    layouts = [Layout(gpus=gpus, tp=tp, zero=zero) for zero in (0, 1, 2, 3)]
+    layouts += [Layout(gpus=gpus, tp=tp, zero=zero, engine="deepspeed") for zero in (1, 2, 3)]
+    if offload:
+        layouts += [
+            Layout(gpus=gpus, tp=tp, zero=2, engine="deepspeed", offload="optimizer"),
+            Layout(gpus=gpus, tp=tp, zero=3, engine="deepspeed", offload="optimizer,params"),
+            Layout(gpus=gpus, tp=tp, zero=3, offload="optimizer,params"),
+        ]
+    return layouts
+
+
+class StepSource:
+    """The single-GPU steps of one traced setup at any batch size: batch 1 and the line through batches 2 and
+    3 are each traced when first needed."""
+
+    def __init__(self, model: ResolvedModel, setup: TrainingSetup) -> None:
+        self.model, self.setup = model, setup
+        self._traces: dict[int, Trace] = {}
+        self._steps: dict[int, StepGraph] = {}
+        self._line: BatchLine | None = None
+
+    def trace(self, batch: int) -> Trace:
+        if batch not in self._traces:
+            self._traces[batch] = trace_step(self.model, dataclasses.replace(self.setup, batch_size=batch))
+        return self._traces[batch]
+
+    def add_trace(self, batch: int, trace: Trace) -> None:
+        self._traces[batch] = trace
+
+    def describe(self) -> str:
+        recompute = f"{self.setup.grad_checkpointing} checkpointing" if self.setup.grad_checkpointing else ""
+        accumulate = "gradient accumulation" if self.setup.grad_accum > 1 else ""
+        details = ", ".join(part for part in (self.setup.dtype, recompute, accumulate) if part)
+        return f"the step ({details})"
+
+    def traced_step(self, batch: int) -> StepGraph:
+        if batch not in self._steps:
+            self._steps[batch] = build_graph(self.trace(batch))
+        return self._steps[batch]
+
+    def step(self, batch: int) -> StepGraph:
+        line = self.line()
+        return line.at(batch) if line is not None and batch >= line.first else self.traced_step(batch)
+
+    def line(self) -> BatchLine | None:
+        """None if the steps at batch 2 and 3 differ in more than sizes: then every batch is traced."""
+        if self._line is None:
+            try:
+                self._line = BatchLine(self.traced_step(2), self.traced_step(3), first=2)
+            except BatchShapeError:
+                return None
+        return self._line
+
+
+class LayoutSteps:
+    """One candidate's rank steps at any batch size: each rank's transformed steps at batches 2 and 3 give its
+    line, so that a batch size costs a resize, a timeline and an allocator replay."""
+
+    def __init__(self, model_id: str, setup: TrainingSetup, layout: Layout, source: StepSource, recipe: str | None):
+        self.model_id, self.setup, self.layout, self.source = model_id, setup, layout, source
+        self.trace = with_layout_assumptions(source.trace(2), layout, recipe)
+        self.ranks: list[Rank] = ranks(layout, source.step(2))
+        self._lines: dict[Rank, BatchLine | None] = {}
+        self._estimates: dict[int, RankEstimate] = {}
+
+    def rank_step(self, rank: Rank, batch: int) -> StepGraph:
+        if batch >= 2 and self.source.line() is not None:
+            if rank not in self._lines:
+                try:
+                    self._lines[rank] = BatchLine(self._apply(rank, 2), self._apply(rank, 3), first=2)
+                except BatchShapeError:
+                    self._lines[rank] = None
+            line = self._lines[rank]
+            if line is not None:
+                return line.at(batch)
+        return self._apply(rank, batch)
+
+    def _apply(self, rank: Rank, batch: int) -> StepGraph:
+        return apply(self.source.step(batch), self.layout, self._setup(batch), rank)
+
+    def _setup(self, batch: int) -> TrainingSetup:
+        return dataclasses.replace(self.setup, batch_size=batch)
+
+    def evaluate(self, batch: int) -> RankEstimate:
+        if batch not in self._estimates:
+            estimates = [
+                rank_estimate(
+                    self.model_id, self._setup(batch), self.layout, self.trace, rank, self.rank_step(rank, batch)
+                )
+                for rank in self.ranks
+            ]
+            self._estimates[batch] = busiest(estimates, self.layout)
+        return self._estimates[batch]
+
+
+def plan(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    gpus: int,
+    cluster: Cluster,
+    budget: MemoryBudget,
+    global_batch: int | None = None,
+    offload: bool = True,
+    jobs: int = 1,
+    on_progress: Callable[[str, int, int], None] = lambda what, done, total: None,
+) -> Plan:
+    """Every candidate layout's largest fitting micro-batch and step time, fastest first. The distinct steps
+    are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces)."""
+    if global_batch is not None and global_batch < 1:
+        raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
+    compute_dtype = str(setup.autocast_dtype or setup.param_dtype).removeprefix("torch.")
+    cluster.gpu.peak_flops(compute_dtype)  # refuses bf16 on GPUs without it, before any tracing
+    chosen, skipped = candidates(model, setup, gpus, cluster, offload)
+    if not chosen:
+        raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
+    search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
+    distinct = list({search.source_for(search.candidate_setup(c), c.layout)[0]: None for c in chosen})
+    on_progress(f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3", 0, 0)
+    for source, batch, trace in _trace_in_parallel([(s, b) for s in distinct for b in (2, 3)], jobs):
+        source.add_trace(batch, trace)
+    outcomes: list[Outcome | None] = [None] * len(chosen)
+    for done, (index, outcome) in enumerate(search.run(chosen, jobs)):
+        outcomes[index] = outcome
+        on_progress(chosen[index].describe(), done + 1, len(chosen))
+    fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
+    failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
+    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
+    if not fitting:
+        on_progress("nothing fits: looking for the smallest change that would", 0, 0)
+        result.suggestions = _suggestions(search, gpus)
+    return result
+
+
+def _suggestions(search: _Search, gpus: int) -> list[str]:
+    """What would fit one sequence when nothing does: more GPUs under FSDP2 with checkpointing, or LoRA."""
+    found = []
+    recompute = Candidate(Layout(), "full")
+    for more in (2 * gpus, 4 * gpus, 8 * gpus):
+        layout = Layout(gpus=more, zero=3)
+        steps = _layout_steps(search, search.candidate_setup(recompute), layout)
+        report = steps.evaluate(1).report
+        if search.budget.fits(report):
+            found.append(
+                f"{more} GPUs: FSDP2 with full checkpointing fits micro-batch 1 "
+                f"({format_bytes(search.budget.needed_bytes(report))} per GPU; --gpus {more})"
+            )
+            break
+    if search.setup.lora is None and not search.setup.quantize:
+        lora = dataclasses.replace(search.candidate_setup(recompute), lora=LoraSetup(r=16))
+        layout = Layout(gpus=gpus)
+        steps = _layout_steps(search, lora, layout)
+        report = steps.evaluate(1).report
+        if search.budget.fits(report):
+            found.append(
+                f"LoRA rank 16 with full checkpointing fits micro-batch 1 on {layout.describe()} "
+                f"({format_bytes(search.budget.needed_bytes(report))} per GPU; --lora-r 16 --grad-checkpointing full)"
+            )
+    return found
+
+
+_ACTIVE: _Search | None = None  # the search a forked worker runs
+
+
+@dataclass
+class _Search:
+    model: ResolvedModel
+    setup: TrainingSetup
+    cluster: Cluster
+    budget: MemoryBudget
+    global_batch: int | None
+    compute_dtype: str
+    sources: dict[TrainingSetup, StepSource] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+
+    def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
+        return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
+
+    def source_for(self, candidate_setup: TrainingSetup, layout: Layout) -> tuple[StepSource, str | None]:
+        traced, recipe = traced_setup(candidate_setup, layout)
+        key = dataclasses.replace(traced, batch_size=1, grad_accum=traced_micro_steps(traced))
+        if key not in self.sources:
+            self.sources[key] = StepSource(self.model, key)
+        return self.sources[key], recipe
+
+    def run(self, chosen: list[Candidate], jobs: int):
+        """(index, outcome) for each candidate, in the order they finish."""
+        global _ACTIVE
+        self.candidates = chosen
+        if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+            yield from ((index, self.outcome(candidate)) for index, candidate in enumerate(chosen))
+            return
+        _ACTIVE = self
+        try:
+            with multiprocessing.get_context("fork").Pool(jobs) as pool:
+                yield from pool.imap_unordered(_search_in_worker, range(len(chosen)))
+        finally:
+            _ACTIVE = None
+
+    def outcome(self, candidate: Candidate) -> Outcome:
+        return _search(self, candidate)
+
+
+def _trace_in_parallel(work: list[tuple[StepSource, int]], jobs: int):
+    """(source, batch, trace) for each pair, traced by up to ``jobs`` forked processes."""
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield from ((source, batch, source.trace(batch)) for source, batch in work)
+        return
+    global _TRACING
+    _TRACING = work
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
+            for index, trace in pool.imap_unordered(_trace_in_worker, range(len(work))):
+                yield (*work[index], trace)
+    finally:
+        _TRACING = []
+
+
+_TRACING: list[tuple[StepSource, int]] = []  # what forked tracing workers trace
+
+
+def _trace_in_worker(index: int) -> tuple[int, Trace]:
+    source, batch = _TRACING[index]
+    return index, source.trace(batch)
+
+
+def _search_in_worker(index: int) -> tuple[int, Outcome]:
+    return index, _ACTIVE.outcome(_ACTIVE.candidates[index])
+
+
+def _search(search: _Search, candidate: Candidate) -> Outcome:
+    """The candidate's largest micro-batch that fits (a divisor of the per-rank batch with --global-batch),
+    its gradient accumulation, memory and step time."""
+    setup, budget, global_batch = search.setup, search.budget, search.global_batch
+    layout = candidate.layout
+    outcome = Outcome(candidate)
+    per_rank = None
+    if global_batch is not None:
+        if global_batch % layout.dp:
+            outcome.notes.append(f"global batch {global_batch} does not split over {layout.dp} data-parallel ranks")
+            return outcome
+        per_rank = global_batch // layout.dp
+    cap = per_rank or MAX_MICRO_BATCH
+    candidate_setup = search.candidate_setup(candidate)
+    steps = _layout_steps(search, candidate_setup, layout)
+    largest, report = _largest_fitting(steps, budget, cap)
+    if largest == 0:
+        outcome.report, outcome.needed_bytes = report, budget.needed_bytes(report)
+        return outcome
+    micro = largest if per_rank is None else max(d for d in range(1, largest + 1) if per_rank % d == 0)
+    accumulation = 1 if per_rank is None else per_rank // micro
+    if accumulation > 1:
+        accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
+        if _accumulation_modelled(layout):
+            steps = _layout_steps(search, accumulating, layout)
+            while micro > 0 and not budget.fits(steps.evaluate(micro).report):
+                micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)
+            if micro == 0:
+                outcome.report = steps.evaluate(1).report
+                outcome.needed_bytes = budget.needed_bytes(outcome.report)
+                outcome.notes.append("gradient accumulation's persistent gradients do not fit")
+                return outcome
+            accumulation = per_rank // micro
+        else:
+            outcome.notes.append("memory of one micro-step: accumulation's extra gradients not modelled here")
+    estimate = steps.evaluate(micro)
+    outcome.micro_batch, outcome.accumulation, outcome.report = micro, accumulation, estimate.report
+    outcome.needed_bytes = budget.needed_bytes(estimate.report)
+    single = steps.source.step(micro)
+    outcome.time = step_time(single, estimate.step, layout, search.cluster, search.compute_dtype, accumulation)
+    tokens = micro * accumulation * layout.dp * setup.seq_len
+    outcome.tokens_per_second = tokens / outcome.time.total_s
+    return outcome
+
+
+def _layout_steps(search: _Search, candidate_setup: TrainingSetup, layout: Layout) -> LayoutSteps:
+    source, recipe = search.source_for(candidate_setup, layout)
+    return LayoutSteps(search.model.model_id, candidate_setup, layout, source, recipe)
+
+
+def _accumulation_modelled(layout: Layout) -> bool:
+    """Gradient accumulation's memory is traced for one GPU, DDP and ZeroRedundancyOptimizer (see
+    strategies/apply.py check_layout)."""
+    return layout.tp == 1 and layout.engine == "fsdp" and layout.zero <= 1
+
+
+def _largest_fitting(steps: LayoutSteps, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
+    """The largest batch up to ``cap`` that fits, and its report (0 and batch 1's report if none does).
+
+    Memory grows with the batch, so the edge lies between the largest size seen to fit and the smallest seen
+    not to. From batch 3 on, each probe goes where the line through the last two sizes' memory crosses the
+    budget, which lands on the edge in two or three probes."""
+    if cap >= 2:
+        two = steps.evaluate(2).report
+        if budget.fits(two):
+            good, bad, reports = 2, cap + 1, {2: two}
+            last_batch, last_needed, slope = 2, budget.needed_bytes(two), 0  # no slope yet: probe batch 3
+            while bad - good > 1:
+                guess = last_batch + (budget.usable_bytes - last_needed) // slope if slope > 0 else good + 1
+                batch = min(max(guess, good + 1), bad - 1)
+                report = steps.evaluate(batch).report
+                needed = budget.needed_bytes(report)
+                if budget.fits(report):
+                    good, reports[batch] = batch, report
+                else:
+                    bad = batch
+                slope = max((needed - last_needed) // (batch - last_batch), 1)
+                last_batch, last_needed = batch, needed
+            return good, reports[good]
+    one = steps.evaluate(1).report
+    return (1, one) if budget.fits(one) else (0, one)

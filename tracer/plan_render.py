@@ -1,0 +1,179 @@
+"""The plan as a ranked table with one recommendation and its reason, or as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from analysis.steptime import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, NETWORK_EFFICIENCY
+from analysis.units import GIB, format_bytes
+from tracer.plan import Outcome, Plan
+
+
+def render_plan(plan: Plan) -> str:
+    gpu = plan.cluster.gpu
+    batch = f", global batch {plan.global_batch}" if plan.global_batch else ", largest micro-batch, no accumulation"
+    lines = [
+        f"{plan.model_id} on {plan.gpus} x {gpu.description} ({gpu.memory_gib:g} GiB), sequence "
+        f"{plan.setup.seq_len:,}{batch}",
+        f"Fits: {plan.budget.describe()}.",
+        "",
+        tabulate(
+            [_row(rank, outcome) for rank, outcome in enumerate(plan.outcomes, 1)],
+            headers=["#", "layout", "micro-batch", "accum", "GiB/GPU", "step s", "tokens/s", "comm exposed s"],
+            colalign=("right", "left", "right", "right", "right", "right", "right", "right"),
+        ),
+        "",
+        *_recommendation(plan),
+        "",
+        f"Step time: a roofline per traced op at {COMPUTE_EFFICIENCY:.0%} of peak FLOP/s and "
+        f"{MEMORY_EFFICIENCY:.0%} of memory bandwidth, plus collectives at {NETWORK_EFFICIENCY:.0%} of "
+        f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
+        "between nodes), overlapped as each runtime overlaps them (README: the step-time model).",
+    ]
+    if plan.skipped:
+        lines += ["Not considered:", *(f"  {reason}" for reason in plan.skipped)]
+    return "\n".join(lines)
+
+
+def _row(rank: int, outcome: Outcome) -> list[Any]:
+    notes = f" ({'; '.join(outcome.notes)})" if outcome.notes else ""
+    if not outcome.fits:
+        short = outcome.needed_bytes
+        return [
+            "-",
+            outcome.candidate.describe() + notes,
+            "none",
+            "",
+            f"{short / GIB:.1f} at 1",
+            "",
+            "out of memory",
+            "",
+        ]
+    time = outcome.time
+    return [
+        rank,
+        outcome.candidate.describe() + notes,
+        outcome.micro_batch,
+        outcome.accumulation,
+        f"{outcome.needed_bytes / GIB:.1f}",
+        f"{time.total_s:.2f}",
+        f"{outcome.tokens_per_second:,.0f}",
+        f"{time.exposed_communication_s + time.host_transfer_s:.2f}",
+    ]
+
+
+def _recommendation(plan: Plan) -> list[str]:
+    best = plan.best
+    if best is None:
+        smallest = min(plan.outcomes, key=lambda o: o.needed_bytes)
+        lines = [
+            f"Nothing fits: the least memory-hungry layout, {smallest.candidate.describe()}, needs "
+            f"{format_bytes(smallest.needed_bytes)} per GPU at micro-batch 1, "
+            f"{format_bytes(smallest.needed_bytes - plan.budget.usable_bytes)} over the budget."
+        ]
+        if plan.suggestions:
+            lines += ["What would fit:", *(f"  {s}" for s in plan.suggestions)]
+        else:
+            lines.append("Neither 8x the GPUs under FSDP2 nor LoRA would fit one sequence: shorten --seq-len.")
+        return lines
+    time = best.time
+    accumulation = f" x {best.accumulation} accumulation steps" if best.accumulation > 1 else ""
+    lines = [
+        f"Recommended: {best.candidate.describe()}, micro-batch {best.micro_batch}{accumulation}: "
+        f"{best.tokens_per_second:,.0f} tokens/s, {time.total_s:.2f} s per step, "
+        f"{format_bytes(best.needed_bytes)} per GPU.",
+    ]
+    ddp = next(
+        (
+            o
+            for o in plan.outcomes
+            if o.candidate.layout.zero == 0 and o.candidate.layout.tp == 1 and not o.candidate.checkpointing
+        ),
+        None,
+    )
+    if ddp is not None and ddp is not best:
+        name = ddp.candidate.describe()
+        if not ddp.fits:
+            over = ddp.needed_bytes - plan.budget.usable_bytes
+            lines.append(f"  {name} runs out of memory at micro-batch 1 by {format_bytes(over)}.")
+        else:
+            lines.append(f"  {name} fits micro-batch {ddp.micro_batch} but is {_slower(ddp, best):.0%} slower.")
+    runner_up = next((o for o in plan.outcomes[1:] if o.fits and o is not ddp), None)
+    if runner_up is not None and _slower(runner_up, best) < 0.01:
+        lines.append(f"  {runner_up.candidate.describe()} is as fast within 1%.")
+    elif runner_up is not None:
+        lines.append(
+            f"  {runner_up.candidate.describe()} is {_slower(runner_up, best):.0%} slower: {_why(runner_up, best)}."
+        )
+    return lines
+
+
+def _slower(other: Outcome, best: Outcome) -> float:
+    return best.tokens_per_second / other.tokens_per_second - 1
+
+
+def _why(other: Outcome, best: Outcome) -> str:
+    """The part of the step time per token that grows most from ``best`` to ``other``."""
+
+    def per_token(outcome: Outcome) -> dict[str, float]:
+        time = outcome.time
+        tokens = outcome.tokens_per_second * time.total_s
+        compute = time.micro_steps * (time.forward_s + time.backward_s)
+        return {
+            "compute": compute / tokens,
+            "optimizer": time.optimizer_s / tokens,
+            "communication": time.exposed_communication_s / tokens,
+            "host": time.host_transfer_s / tokens,
+        }
+
+    mine, theirs = per_token(other), per_token(best)
+    part = max(mine, key=lambda key: mine[key] - theirs[key])
+    if part == "compute" and other.candidate.checkpointing and not best.candidate.checkpointing:
+        return "it recomputes every layer's forward in backward"
+    if part == "compute":
+        return f"its micro-batch of {other.micro_batch} keeps each GPU less busy per token"
+    if part == "optimizer":
+        where = "on the host" if other.candidate.layout.offload else "unsharded"
+        return f"its optimizer step runs {where} ({other.time.optimizer_s:.2f} s per step)"
+    if part == "host":
+        return f"it waits {other.time.host_transfer_s:.2f} s per step for PCIe copies"
+    return (
+        f"{other.time.exposed_communication_s:.2f} s of its communication per step is not hidden behind compute "
+        f"(vs {best.time.exposed_communication_s:.2f} s)"
+    )
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    return {
+        "model": plan.model_id,
+        "gpus": plan.gpus,
+        "gpu": plan.cluster.gpu.__dict__,
+        "gpus_per_node": plan.cluster.gpus_per_node,
+        "internode_gbps": plan.cluster.internode_gbps,
+        "usable_bytes": plan.budget.usable_bytes,
+        "margin": plan.budget.margin,
+        "global_batch": plan.global_batch,
+        "setup": plan.setup.to_json(),
+        "recommended": _outcome_json(plan.best) if plan.best else None,
+        "candidates": [_outcome_json(outcome) for outcome in plan.outcomes],
+        "not_considered": plan.skipped,
+        "suggestions": plan.suggestions,
+    }
+
+
+def _outcome_json(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "layout": outcome.candidate.layout.to_json(),
+        "checkpointing": outcome.candidate.checkpointing,
+        "description": outcome.candidate.describe(),
+        "fits": outcome.fits,
+        "micro_batch": outcome.micro_batch,
+        "accumulation": outcome.accumulation,
+        "needed_bytes": outcome.needed_bytes,
+        "peak_allocated_bytes": outcome.report.peak_bytes if outcome.report else None,
+        "step_time": outcome.time.to_json() if outcome.time else None,
+        "tokens_per_second": outcome.tokens_per_second,
+        "notes": outcome.notes,
+    }
