@@ -20,7 +20,7 @@ def render_plan(plan: Plan) -> str:
         f"Fits: {plan.budget.describe()}.",
         "",
         tabulate(
-            [_row(rank, outcome) for rank, outcome in enumerate(plan.outcomes, 1)],
+            [_row(rank, outcome, _note_numbers(plan)) for rank, outcome in enumerate(plan.outcomes, 1)],
             headers=["#", "layout", "micro-batch", "accum", "GiB/GPU", "step s", "tokens/s", "comm exposed s"],
             colalign=("right", "left", "right", "right", "right", "right", "right", "right"),
         ),
@@ -32,13 +32,18 @@ def render_plan(plan: Plan) -> str:
         f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
         "between nodes), overlapped as each runtime overlaps them (README: the step-time model).",
     ]
+    notes = sorted({note for outcome in plan.outcomes for note in outcome.notes})
+    if notes:
+        lines.insert(4, "")
+        for number, note in enumerate(notes, 1):
+            lines.insert(4 + number, f"[{number}] {note}")
     if plan.skipped:
         lines += ["Not considered:", *(f"  {reason}" for reason in plan.skipped)]
     return "\n".join(lines)
 
 
-def _row(rank: int, outcome: Outcome) -> list[Any]:
-    notes = f" ({'; '.join(outcome.notes)})" if outcome.notes else ""
+def _row(rank: int, outcome: Outcome, notes_index: dict[str, int]) -> list[Any]:
+    notes = "".join(f" [{notes_index[note]}]" for note in outcome.notes)
     if not outcome.fits:
         short = outcome.needed_bytes
         return [
@@ -62,6 +67,11 @@ def _row(rank: int, outcome: Outcome) -> list[Any]:
         f"{outcome.tokens_per_second:,.0f}",
         f"{time.exposed_communication_s + time.host_transfer_s:.2f}",
     ]
+
+
+def _note_numbers(plan: Plan) -> dict[str, int]:
+    notes = sorted({note for outcome in plan.outcomes for note in outcome.notes})
+    return {note: number for number, note in enumerate(notes, 1)}
 
 
 def _recommendation(plan: Plan) -> list[str]:
