@@ -116,12 +116,12 @@ canvas{border:1px solid #ccc}</style></head><body><h3>$TITLE</h3><canvas id="cha
 const data=$DATA;const roles=data.roles,rows=data.rows,colors=["#4e79a7","#f28e2b","#e15759","#76b7b2",
 "#59a14f","#edc948","#b07aa1","#ff9da7","#9c755f","#bab0ac","#86bcb6","#d37295"];
 const canvas=document.getElementById("chart"),ctx=canvas.getContext("2d"),W=canvas.width,H=canvas.height,pad=40;
-const top=Math.max(...rows.map(r=>r.live))*1.05||1;const x=i=>pad+(W-2*pad)*i/rows.length,
-y=v=>H-pad-(H-2*pad)*v/top;function draw(){ctx.clearRect(0,0,W,H);const base=rows.map(()=>0);
+const ceiling=Math.max(...rows.map(r=>r.live))*1.05||1;const x=i=>pad+(W-2*pad)*i/rows.length,
+y=v=>H-pad-(H-2*pad)*v/ceiling;function draw(){ctx.clearRect(0,0,W,H);const base=rows.map(()=>0);
 roles.forEach((role,k)=>{ctx.beginPath();rows.forEach((r,i)=>ctx.lineTo(x(i),y(base[i]+r[role])));
 for(let i=rows.length-1;i>=0;i--)ctx.lineTo(x(i),y(base[i]));ctx.closePath();ctx.fillStyle=colors[k%colors.length];
 ctx.fill();rows.forEach((r,i)=>base[i]+=r[role]);});ctx.fillStyle="#000";ctx.fillText("GiB",4,pad-8);
-for(let t=0;t<=4;t++){const v=top*t/4;ctx.fillText((v/2**30).toFixed(2),4,y(v));}
+for(let t=0;t<=4;t++){const v=ceiling*t/4;ctx.fillText((v/2**30).toFixed(2),4,y(v));}
 ctx.fillText("op index",W/2,H-8);}draw();
 document.getElementById("legend").innerHTML=roles.map((r,k)=>'<span style="color:'+colors[k%colors.length]+
 '">&#9632;</span> '+r).join(" &nbsp; ");const gib=b=>(b/2**30).toFixed(3)+" GiB";
