@@ -422,6 +422,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise UserError(f"--margin is a share of GPU memory in [0, 1) (got {args.margin}).")
     setup = _setup(args)
     gpu = find_gpu(setup.gpu)
+    rates = {
+        "--tflops": args.tflops,
+        "--memory-gbps": args.memory_gbps,
+        "--interconnect-gbps": args.interconnect_gbps,
+        "--internode-gbps": args.internode_gbps,
+        "--host-optimizer-gbps": args.host_optimizer_gbps,
+    }
+    for flag, value in rates.items():
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be positive (got {value}).")
     overrides = {}
     if args.gpu_memory:
         overrides["memory_gib"] = parse_bytes(args.gpu_memory, "--gpu-memory") / 1024**3
@@ -431,9 +441,6 @@ def _run_plan(args: argparse.Namespace) -> int:
         overrides["memory_gbps"] = args.memory_gbps
     if args.interconnect_gbps:
         overrides["interconnect_gbps"] = args.interconnect_gbps
-    for flag, value in overrides.items():
-        if value <= 0:
-            raise UserError(f"--{flag.replace('_', '-')} must be positive (got {value}).")
     gpu = dataclasses.replace(gpu, **overrides)
     cluster = Cluster(gpu, args.gpus_per_node, args.internode_gbps, args.pcie_gbps, args.host_optimizer_gbps)
     budget = MemoryBudget(gpu.memory_bytes, args.margin)

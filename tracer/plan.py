@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from analysis.batch_line import BatchLine, BatchShapeError
 from analysis.budget import MemoryBudget
@@ -30,6 +31,7 @@ from tracer.tracing import trace_step, traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
 
 MAX_MICRO_BATCH = 1024
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,13 @@ def plan(
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
     distinct = list({search.source_for(search.candidate_setup(c), c.layout)[0]: None for c in chosen})
     on_progress(f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3", 0, 0)
-    for source, batch, trace in _trace_in_parallel([(s, b) for s in distinct for b in (2, 3)], jobs):
+    pairs = [(source, batch) for source in distinct for batch in (2, 3)]
+    for index, trace in _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs):
+        source, batch = pairs[index]
         source.add_trace(batch, trace)
     outcomes: list[Outcome | None] = [None] * len(chosen)
-    for done, (index, outcome) in enumerate(search.run(chosen, jobs)):
+    searched = _in_processes(lambda index: _search(search, chosen[index]), len(chosen), jobs)
+    for done, (index, outcome) in enumerate(searched):
         outcomes[index] = outcome
         on_progress(chosen[index].describe(), done + 1, len(chosen))
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
@@ -271,9 +276,6 @@ def _suggestions(search: _Search, gpus: int) -> list[str]:
     return found
 
 
-_ACTIVE: _Search | None = None  # the search a forked worker runs
-
-
 @dataclass
 class _Search:
     model: ResolvedModel
@@ -283,7 +285,6 @@ class _Search:
     global_batch: int | None
     compute_dtype: str
     sources: dict[TrainingSetup, StepSource] = field(default_factory=dict)
-    candidates: list[Candidate] = field(default_factory=list)
 
     def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
         return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
@@ -295,49 +296,27 @@ class _Search:
             self.sources[key] = StepSource(self.model, key)
         return self.sources[key], recipe
 
-    def run(self, chosen: list[Candidate], jobs: int):
-        """(index, outcome) for each candidate, in the order they finish."""
-        global _ACTIVE
-        self.candidates = chosen
-        if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-            yield from ((index, self.outcome(candidate)) for index, candidate in enumerate(chosen))
-            return
-        _ACTIVE = self
-        try:
-            with multiprocessing.get_context("fork").Pool(jobs) as pool:
-                yield from pool.imap_unordered(_search_in_worker, range(len(chosen)))
-        finally:
-            _ACTIVE = None
 
-    def outcome(self, candidate: Candidate) -> Outcome:
-        return _search(self, candidate)
-
-
-def _trace_in_parallel(work: list[tuple[StepSource, int]], jobs: int):
-    """(source, batch, trace) for each pair, traced by up to ``jobs`` forked processes."""
-    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        yield from ((source, batch, source.trace(batch)) for source, batch in work)
+def _in_processes(work: Callable[[int], T], count: int, jobs: int) -> Iterator[tuple[int, T]]:
+    """``(index, work(index))`` for every index below ``count``, in the order they finish, computed by up to
+    ``jobs`` forked processes, which inherit everything ``work`` reads (the traces); only results travel back."""
+    if jobs <= 1 or count <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield from ((index, work(index)) for index in range(count))
         return
-    global _TRACING
-    _TRACING = work
+    global _FORKED_WORK
+    _FORKED_WORK = work
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, len(work))) as pool:
-            for index, trace in pool.imap_unordered(_trace_in_worker, range(len(work))):
-                yield (*work[index], trace)
+        with multiprocessing.get_context("fork").Pool(min(jobs, count)) as pool:
+            yield from pool.imap_unordered(_run_forked, range(count))
     finally:
-        _TRACING = []
+        _FORKED_WORK = None
 
 
-_TRACING: list[tuple[StepSource, int]] = []  # what forked tracing workers trace
+_FORKED_WORK: Callable[[int], object] | None = None  # what forked workers run
 
 
-def _trace_in_worker(index: int) -> tuple[int, Trace]:
-    source, batch = _TRACING[index]
-    return index, source.trace(batch)
-
-
-def _search_in_worker(index: int) -> tuple[int, Outcome]:
-    return index, _ACTIVE.outcome(_ACTIVE.candidates[index])
+def _run_forked(index: int) -> tuple[int, object]:
+    return index, _FORKED_WORK(index)
 
 
 def _search(search: _Search, candidate: Candidate) -> Outcome:
@@ -362,8 +341,8 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     micro = largest if per_rank is None else max(d for d in range(1, largest + 1) if per_rank % d == 0)
     accumulation = 1 if per_rank is None else per_rank // micro
     if accumulation > 1:
-        accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
         if _accumulation_modelled(layout):
+            accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
             steps = _layout_steps(search, accumulating, layout)
             while micro > 0 and not budget.fits(steps.evaluate(micro).report):
                 micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)

@@ -13,6 +13,7 @@ from tracer.plan import Outcome, Plan
 
 def render_plan(plan: Plan) -> str:
     gpu = plan.cluster.gpu
+    numbers = _note_numbers(plan)
     batch = f", global batch {plan.global_batch}" if plan.global_batch else ", largest micro-batch, no accumulation"
     lines = [
         f"{plan.model_id} on {plan.gpus} x {gpu.description} ({gpu.memory_gib:g} GiB), sequence "
@@ -20,7 +21,7 @@ def render_plan(plan: Plan) -> str:
         f"Fits: {plan.budget.describe()}.",
         "",
         tabulate(
-            [_row(rank, outcome, _note_numbers(plan)) for rank, outcome in enumerate(plan.outcomes, 1)],
+            [_row(rank, outcome, numbers) for rank, outcome in enumerate(plan.outcomes, 1)],
             headers=["#", "layout", "micro-batch", "accum", "GiB/GPU", "step s", "tokens/s", "comm exposed s"],
             colalign=("right", "left", "right", "right", "right", "right", "right", "right"),
         ),
@@ -32,11 +33,8 @@ def render_plan(plan: Plan) -> str:
         f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
         "between nodes), overlapped as each runtime overlaps them (README: the step-time model).",
     ]
-    notes = sorted({note for outcome in plan.outcomes for note in outcome.notes})
-    if notes:
-        lines.insert(4, "")
-        for number, note in enumerate(notes, 1):
-            lines.insert(4 + number, f"[{number}] {note}")
+    if numbers:
+        lines[4:4] = ["", *(f"[{number}] {note}" for note, number in numbers.items())]
     if plan.skipped:
         lines += ["Not considered:", *(f"  {reason}" for reason in plan.skipped)]
     return "\n".join(lines)
