@@ -15,17 +15,20 @@
   activations per layer in 16-bit: s·b·h·(34 + 5·a·s/h) without recomputation, 34·s·b·h with selective
   recomputation, 2·s·b·h with full recomputation; tensor parallelism t divides the 24 sbh inside the
   attention and MLP (and everything with sequence parallelism).
+
+Each estimate is split into the categories of analysis/categories.py as its source splits it, so that
+``tracer compare`` can set each part beside the trace's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from tabulate import tabulate
 from torch import nn
 
-from analysis.report import MemoryReport
+from analysis.categories import Category
 from analysis.units import format_bytes
 from strategies.layout import Layout
 from tracer.modules import decoder_blocks
@@ -40,10 +43,33 @@ LLMEM_INPUT_BYTES = 4  # SizeEstimator.bytes_input
 
 
 @dataclass(frozen=True)
+class Term:
+    bytes: int
+    assumes: str  # what the formula takes the category to hold
+
+
+@dataclass(frozen=True)
 class FormulaEstimate:
     name: str
-    bytes: int | None  # None where the formula does not cover the setup
-    covers: str  # what it counts
+    source: str
+    terms: dict[Category, Term]  # the categories it counts; empty where it does not cover the setup
+    total: int | None  # its figure for the whole: the sum of the terms, except where the source says otherwise
+    why_not: str = ""  # why it does not cover the setup
+    # what its figure stands for: a category in here without a term is memory the formula misses
+    accounts_for: tuple[Category, ...] = tuple(Category)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "total_bytes": self.total,
+            "terms": {category.value: {"bytes": t.bytes, "assumes": t.assumes} for category, t in self.terms.items()},
+            **({"not_covered": self.why_not} if self.why_not else {}),
+        }
+
+
+def _summed(name: str, source: str, terms: dict[Category, Term], **options: Any) -> FormulaEstimate:
+    return FormulaEstimate(name, source, terms, sum(term.bytes for term in terms.values()), **options)
 
 
 @dataclass(frozen=True)
@@ -89,120 +115,162 @@ def model_shape(model: ResolvedModel, setup: TrainingSetup) -> ModelShape:
     )
 
 
-def rule_of_thumb(shape: ModelShape) -> int:
-    return RULE_OF_THUMB_BYTES_PER_PARAMETER * shape.parameters
+def rule_of_thumb(shape: ModelShape) -> FormulaEstimate:
+    """The ZeRO paper's split of its 16 bytes: 2 + 2 + K = 12."""
+    p = shape.parameters
+    return _summed(
+        "16 B/param",
+        "rule of thumb: 16 bytes per parameter for mixed-precision Adam (ZeRO paper, arXiv 1910.02054)",
+        {
+            Category.PARAMETERS: Term(2 * p, "16-bit weights, 2 bytes per parameter"),
+            Category.GRADIENTS: Term(2 * p, "16-bit gradients, 2 bytes per parameter"),
+            Category.OPTIMIZER_STATES: Term(
+                12 * p, "fp32 master weights, momentum and variance, 12 bytes per parameter"
+            ),
+        },
+    )
 
 
-def deepspeed_model_states(shape: ModelShape, layout: Layout) -> int:
-    gpus = layout.dp
+def deepspeed_model_states(shape: ModelShape, layout: Layout) -> FormulaEstimate:
+    """Split as the comment in ``estimate_zero2_model_states_mem_needs`` splits its 18 bytes (2 16-bit and
+    4 fp32 gradient bytes, 4 fp32 weight and 8 moment bytes); ZeRO-3's estimator uses the same 18 and adds
+    16-bit weights and gradients of the largest layer."""
+    p = shape.parameters
+    gpus = layout.dp if layout.zero else 1
+    sharded = 18 * p // gpus  # int(18 * total_params / total_gpus)
+    gradients = 6 * p // gpus
+    per_gpu = f", over {gpus} GPUs" if gpus > 1 else ""
+    optimizer = Term(
+        sharded - gradients, f"fp32 master weights, momentum and variance, 12 bytes per parameter{per_gpu}"
+    )
     if layout.zero == 3:
-        return 4 * shape.largest_layer_parameters + int(18 * shape.parameters / gpus)
-    return 2 * shape.parameters + int(18 * shape.parameters / (gpus if layout.zero else 1))
+        largest = shape.largest_layer_parameters
+        terms = {
+            Category.PARAMETERS: Term(2 * largest, "16-bit weights of the largest layer, gathered"),
+            Category.GRADIENTS: Term(
+                2 * largest + gradients,
+                f"16-bit gradients of the largest layer, and 6 bytes per parameter (16-bit and fp32){per_gpu}",
+            ),
+            Category.OPTIMIZER_STATES: optimizer,
+        }
+        source = "deepspeed estimate_zero3_model_states_mem_needs"
+    else:
+        terms = {
+            Category.PARAMETERS: Term(2 * p, "16-bit weights, 2 bytes per parameter"),
+            Category.GRADIENTS: Term(gradients, f"16-bit and fp32 gradients, 6 bytes per parameter{per_gpu}"),
+            Category.OPTIMIZER_STATES: optimizer,
+        }
+        source = "deepspeed estimate_zero2_model_states_mem_needs"
+    return _summed("DeepSpeed", source, terms)
 
 
-def accelerate_training(shape: ModelShape, setup: TrainingSetup) -> int:
+def accelerate_training(shape: ModelShape, setup: TrainingSetup) -> FormulaEstimate:
+    """``estimate_training_usage``'s stages for Adam at batch size 1; its figure is the largest stage
+    (``step``: all three for fp32, the optimizer alone for mixed precision), not their sum."""
     fp32_size = 4 * shape.parameters
     low_precision = setup.dtype != "fp32" or setup.mixed_precision is not None
-    return 2 * fp32_size if low_precision else 4 * fp32_size
+    gradients = (
+        Term(fp32_size + fp32_size // 2, "16-bit and fp32 gradients, 6 bytes per parameter")
+        if low_precision
+        else Term(fp32_size, "fp32 gradients, 4 bytes per parameter")
+    )
+    terms = {
+        Category.PARAMETERS: Term(fp32_size, "fp32 weights, 4 bytes per parameter"),
+        Category.GRADIENTS: gradients,
+        Category.OPTIMIZER_STATES: Term(2 * fp32_size, "Adam's momentum and variance, 8 bytes per parameter"),
+    }
+    total = 2 * fp32_size if low_precision else 4 * fp32_size
+    return FormulaEstimate("accelerate", "accelerate estimate-memory (estimate_training_usage)", terms, total)
 
 
 def _llmem_round(nbytes: float) -> int:
     return int(-(-nbytes // LLMEM_ROUNDING) * LLMEM_ROUNDING)
 
 
-def llmem(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> int | None:
-    """SizeEstimator.estimate_size for the data-parallel (ZeRO-3) or single-GPU case; None with TP."""
+def llmem(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> FormulaEstimate:
+    """SizeEstimator.estimate_size for the data-parallel (ZeRO-3) or single-GPU case; not for TP."""
+    name, source = "LLMem", "LLMem SizeEstimator (github.com/taehokim20/LLMem)"
     if layout.tp > 1:
-        return None
+        return FormulaEstimate(name, source, {}, None, "LLMem models data parallelism only, not tensor parallelism")
     gpus = layout.dp
     batch, seq = setup.batch_size, setup.seq_len
-    model_init = 2 * shape.parameters / gpus  # m_init: the fp16 model as loaded (measured by LLMem)
-    return int(
-        model_init
-        + _llmem_parameter_bytes(shape, gpus)
-        + _llmem_round(batch * seq * LLMEM_INPUT_BYTES)
-        + _llmem_output_bytes(shape, batch, seq)
+    model_init = 2 * shape.parameters // gpus  # m_init: the fp16 model as loaded (measured by LLMem)
+    gathered, moments = _llmem_parameter_bytes(shape, gpus)
+    activations, logits = _llmem_output_bytes(shape, batch, seq)
+    return _summed(
+        name,
+        source,
+        {
+            Category.PARAMETERS: Term(
+                model_init + gathered,
+                "the fp16 model as loaded and the output layer's fp16 copy"
+                + (", and the weights ZeRO-3 gathers" if gpus > 1 else ""),
+            ),
+            Category.OPTIMIZER_STATES: Term(
+                moments, "two fp32 moments of each weight but the last, 8 bytes per parameter"
+            ),
+            Category.ACTIVATIONS: Term(
+                activations, "fp16 outputs of every Linear and Embedding and each layer's input, in 2 MiB blocks"
+            ),
+            Category.LOGITS_AND_LOSS: Term(logits, "fp16 logits and two copies shifted by one token"),
+            Category.OTHER: Term(_llmem_round(batch * seq * LLMEM_INPUT_BYTES), "the input ids"),
+        },
     )
 
 
-def _llmem_parameter_bytes(shape: ModelShape, gpus: int) -> int:
-    """param_bytes(): per Linear/Embedding weight (the last, the lm_head, only its fp16 copy): its fp16
-    share on other ranks under ZeRO-3, and two fp32-sized moments of its shard."""
-    total = 0
-    weights = [numel for _, _, sizes in shape.linear_outputs for numel in sizes]
-    for index, numel in enumerate(weights):
-        if index == len(weights) - 1:
-            total += _llmem_round(numel * 2)
+def _llmem_parameter_bytes(shape: ModelShape, gpus: int) -> tuple[int, int]:
+    """param_bytes(), as (weights, moments): per Linear/Embedding weight (the last, the lm_head, only its fp16
+    copy) its fp16 share on other ranks under ZeRO-3, and two fp32-sized moments of its shard."""
+    weights = moments = 0
+    sizes = [numel for _, _, numels in shape.linear_outputs for numel in numels]
+    for index, numel in enumerate(sizes):
+        if index == len(sizes) - 1:
+            weights += _llmem_round(numel * 2)
             continue
         if gpus > 1:
-            total += _llmem_round(numel * 2 * (gpus - 1) / gpus)
-        total += 2 * _llmem_round(numel * 2 * 2 / gpus)
-    return total
+            weights += _llmem_round(numel * 2 * (gpus - 1) / gpus)
+        moments += 2 * _llmem_round(numel * 2 * 2 / gpus)
+    return weights, moments
 
 
-def _llmem_output_bytes(shape: ModelShape, batch: int, seq: int) -> int:
-    """calc_output_bytes(): fp16 outputs of embeddings (twice), Linear modules and decoder layer inputs,
-    then the logits and two copies shifted by one token."""
+def _llmem_output_bytes(shape: ModelShape, batch: int, seq: int) -> tuple[int, int]:
+    """calc_output_bytes(), as (activations, logits): fp16 outputs of embeddings (twice), Linear modules and
+    decoder layer inputs; then the logits and two copies shifted by one token."""
     tokens = batch * seq
     sizes = [tokens * shape.hidden] * max(shape.layers - 1, 0)
     for kind, features, _ in shape.linear_outputs[:-1]:
         sizes += [tokens * features] * (2 if kind == "embedding" else 1)
-    total = sum(_llmem_round(numel * LLMEM_ACTIVATION_BYTES) for numel in sizes)
-    total += _llmem_round(tokens * shape.vocab * LLMEM_ACTIVATION_BYTES)
-    total += 2 * _llmem_round(batch * (seq - 1) * shape.vocab * LLMEM_ACTIVATION_BYTES)
-    return total
+    activations = sum(_llmem_round(numel * LLMEM_ACTIVATION_BYTES) for numel in sizes)
+    logits = _llmem_round(tokens * shape.vocab * LLMEM_ACTIVATION_BYTES)
+    logits += 2 * _llmem_round(batch * (seq - 1) * shape.vocab * LLMEM_ACTIVATION_BYTES)
+    return activations, logits
 
 
-def korthikanti_activations(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> int:
+def korthikanti_activations(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> FormulaEstimate:
     s, b, h, a, t = setup.seq_len, setup.batch_size, shape.hidden, shape.heads, layout.tp
+    scores = 0 if setup.grad_checkpointing else 5 * a * s * s * b / t  # attention scores, softmax, dropout mask
     if setup.grad_checkpointing == "full":
-        per_layer = 2 * s * b * h
+        per_layer, assumes = 2 * s * b * h, "each layer's 16-bit input (full recomputation: 2sbh per layer)"
     elif layout.sequence_parallel:
-        per_layer = s * b * h * 34 / t + (0 if setup.grad_checkpointing else 5 * a * s * s * b / t)
+        per_layer, assumes = s * b * h * 34 / t + scores, "a 16-bit GPT layer: (34sbh + 5as^2b) / t per layer"
     else:
-        per_layer = s * b * h * (10 + 24 / t) + (0 if setup.grad_checkpointing else 5 * a * s * s * b / t)
-    return int(shape.layers * per_layer)
+        per_layer, assumes = s * b * h * (10 + 24 / t) + scores, "a 16-bit GPT layer: 34sbh + 5as^2b per layer"
+        if t > 1:
+            assumes = "a 16-bit GPT layer: (10 + 24/t)sbh + 5as^2b/t per layer"
+    if scores:
+        assumes += f", {format_bytes(int(shape.layers * scores))} of it attention scores, softmax and dropout mask"
+    elif setup.grad_checkpointing == "selective":
+        assumes = "a 16-bit GPT layer without its attention scores (selective recomputation: 34sbh per layer)"
+    terms = {Category.ACTIVATIONS: Term(int(shape.layers * per_layer), assumes)}
+    source = "Korthikanti et al., arXiv 2205.05198: the activations a transformer layer saves"
+    return _summed("Korthikanti", source, terms, accounts_for=(Category.ACTIVATIONS, Category.LOGITS_AND_LOSS))
 
 
-def formula_estimates(model: ResolvedModel, setup: TrainingSetup, layout: Layout) -> list[FormulaEstimate]:
-    shape = model_shape(model, setup)
+def formula_estimates(shape: ModelShape, setup: TrainingSetup, layout: Layout) -> list[FormulaEstimate]:
     return [
-        FormulaEstimate("16 bytes/parameter", rule_of_thumb(shape), "model states"),
-        FormulaEstimate("DeepSpeed model states", deepspeed_model_states(shape, layout), "model states"),
-        FormulaEstimate("accelerate estimate-memory", accelerate_training(shape, setup), "model states"),
-        FormulaEstimate("LLMem", llmem(shape, setup, layout), "model states, activations"),
-        FormulaEstimate("Korthikanti et al.", korthikanti_activations(shape, setup, layout), "activations"),
+        rule_of_thumb(shape),
+        deepspeed_model_states(shape, layout),
+        accelerate_training(shape, setup),
+        llmem(shape, setup, layout),
+        korthikanti_activations(shape, setup, layout),
     ]
-
-
-def render_comparison(report: MemoryReport, formulas: list[FormulaEstimate]) -> str:
-    """Ours beside each formula, with a line on what each leaves out that the trace holds at the peak."""
-    ours = report.peak_bytes
-    breakdown = report.breakdown
-    states = sum(breakdown.get(key, 0) for key in ("parameters", "gradients", "optimizer_states"))
-    rows = [("ours (trace)", format_bytes(ours), "", "everything allocated at the peak")]
-    notes = []
-    for formula in formulas:
-        if formula.bytes is None:
-            rows.append((formula.name, "n/a", "", f"{formula.covers} (not for this layout)"))
-            continue
-        difference = 100 * (formula.bytes - ours) / ours
-        rows.append((formula.name, format_bytes(formula.bytes), f"{difference:+.1f}%", formula.covers))
-        if formula.covers == "model states" and ours - states > 0.05 * ours:
-            notes.append(
-                f"- {formula.name} counts model states only: the peak also holds {format_bytes(ours - states)} of "
-                f"activations, temporaries and buffers ({100 * (ours - states) / ours:.0f}% of it)."
-            )
-        elif formula.covers == "activations":
-            saved = breakdown.get("activations", 0)
-            notes.append(
-                f"- {formula.name} counts saved activations in 16-bit for a standard block: "
-                f"{format_bytes(formula.bytes)} against {format_bytes(saved)} of activations in the trace at the "
-                "peak (fp32 upcasts, logits and the loss are outside the formula)."
-            )
-    logits = [g for g in report.largest_at_peak if "lm_head" in g.get("where", "") or "loss" in g.get("made_by", "")]
-    if logits:
-        size = sum(g["bytes"] for g in logits)
-        notes.append(f"- Logits and loss buffers live at the peak: {format_bytes(size)} ({100 * size / ours:.0f}%).")
-    table = tabulate(rows, headers=["estimate", "memory", "vs ours", "covers"], colalign=("left", "right", "right"))
-    return "\n".join([f"{report.model_id}: peak per GPU, ours beside the analytic formulas", "", table, "", *notes])

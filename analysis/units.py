@@ -6,12 +6,12 @@ GIB = 1024**3
 MIB = 1024**2
 
 
-def format_bytes(nbytes: int) -> str:
-    """Binary units, three significant decimals: "12.345 GiB", "512.000 MiB", "4.0 KiB"."""
+def format_bytes(nbytes: int, decimals: int = 3) -> str:
+    """Binary units, three decimals unless told: "12.345 GiB", "512.000 MiB", "4.0 KiB"."""
     if abs(nbytes) >= GIB:
-        return f"{nbytes / GIB:.3f} GiB"
+        return f"{nbytes / GIB:.{decimals}f} GiB"
     if abs(nbytes) >= MIB:
-        return f"{nbytes / MIB:.3f} MiB"
+        return f"{nbytes / MIB:.{decimals}f} MiB"
     return f"{nbytes / 1024:.1f} KiB"
 
 

@@ -79,6 +79,13 @@ class _Fsdp:
     def reduce(self, name: str) -> int:
         return FLOAT32_BYTES if self.plan.mixed_precision else self.compute[name]
 
+    def master_dtype(self, names: list[str]) -> str:
+        """The dtype of shards, their optimizer states and reduced gradients (one per unit: its first)."""
+        return "float32" if self.plan.mixed_precision or not names else self.params[names[0]].dtype
+
+    def compute_dtype(self, names: list[str]) -> str:
+        return self.params[names[0]].dtype if names else ""
+
     def build(self) -> StepGraph:
         self.shard_state()
         self.forward()
@@ -92,12 +99,13 @@ class _Fsdp:
                 continue
             shard, name = self.shards[row.param], row.param
             if row.role is Role.PARAMETER:
-                self.rw.resize(row.id, shard.padded_shard_numel * self.master(name))
+                self.rw.resize(row.id, shard.padded_shard_numel * self.master(name), self.master_dtype([name]))
             elif row.role is Role.OPTIMIZER_STATE or self.step.made_in(row, Phase.OPTIMIZER):
                 numel = self.params[name].numel
                 if row.numel > 1 and row.nbytes % numel == 0:
                     element = row.nbytes // numel * self.master(name) // self.compute[name]
-                    self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element)
+                    dtype = self.master_dtype([name]) if row.dtype == self.params[name].dtype else None
+                    self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element, dtype)
             else:
                 continue
             if self.plan.offload:
@@ -146,15 +154,18 @@ class _Fsdp:
         names = self.units[unit]
         if self.plan.offload:  # each shard is copied to the device first (FSDPParam.all_gather_inputs)
             copied = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
-            self.rw.add(copied, Role.COMMUNICATION, point, point, f"shards from host {unit or 'root'}", "")
+            name = f"shards from host {unit or 'root'}"
+            self.rw.add(copied, Role.COMMUNICATION, point, point, name, self.master_dtype(names))
             phase = self.step.ops[point.original].phase
             what = f"parameter shards of {unit or 'the root'}"
             self.rw.transfers.append(Transfer(phase, HOST_TO_DEVICE, copied, what, f"{phase.value} (prefetch)"))
         if self.plan.mixed_precision:  # local shards copied into one flat buffer of the compute dtype
             copy_in = sum(self.shards[n].padded_shard_numel * self.compute[n] for n in names)
-            self.rw.add(copy_in, Role.COMMUNICATION, point, point, f"all-gather input {unit or 'root'}", "")
+            name = f"all-gather input {unit or 'root'}"
+            self.rw.add(copy_in, Role.COMMUNICATION, point, point, name, self.compute_dtype(names))
         size = sum(self.shards[n].padded_numel * self.compute[n] for n in names)
-        buffer = self.rw.add(size, Role.COMMUNICATION, point, None, f"all-gather {unit or 'root'}", "")
+        name = f"all-gather {unit or 'root'}"
+        buffer = self.rw.add(size, Role.COMMUNICATION, point, None, name, self.compute_dtype(names))
         return _Gather(point, buffer)
 
     def copy_out(self, unit: str, first: Point, last: Point | None) -> list[int]:
@@ -180,8 +191,9 @@ class _Fsdp:
             rw.retime(self.held_reduce_input, last=reshard)
         reduce_in = rw.after(last, "fsdp.reduce_scatter", unit, Phase.BACKWARD)
         size = sum(self.shards[n].padded_numel * self.reduce(n) for n in names)
+        reduce_dtype = self.master_dtype(names)
         self.held_reduce_input = rw.add(
-            size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {unit or 'root'}", ""
+            size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {unit or 'root'}", reduce_dtype
         )
         zero_grad = max((row.freed_after for row in self.grads[unit] if row.freed_after is not None), default=None)
         for row in self.grads[unit]:
@@ -190,22 +202,17 @@ class _Fsdp:
         sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
         kept_until = None if zero_grad is None else Point(zero_grad, 0)
         sharded = rw.add(
-            sharded_bytes, Role.GRADIENT, reduce_out, kept_until, f"sharded gradients {unit or 'root'}", ""
+            sharded_bytes, Role.GRADIENT, reduce_out, kept_until, f"sharded gradients {unit or 'root'}", reduce_dtype
         )
         if self.plan.offload:  # copied to the host as soon as reduced (foreach_reduce), freed on the device
             to_host = rw.after(last, "fsdp.gradients_to_host", unit, Phase.BACKWARD)
             rw.retime(sharded, last=to_host)
             sizes = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
             name = f"sharded gradients {unit or 'root'} (host)"
-            rw.add(sizes, Role.GRADIENT, to_host, kept_until, name, "", on_device=False)
+            rw.add(sizes, Role.GRADIENT, to_host, kept_until, name, reduce_dtype, on_device=False)
             what = f"sharded gradients of {unit or 'the root'}"
             rw.transfers.append(Transfer(Phase.BACKWARD, DEVICE_TO_HOST, sharded_bytes, what, "backward"))
             return
-        if any(self.reduce(n) != self.master(n) for n in names):
-            cast = rw.after(last, "fsdp.cast_gradients", unit, Phase.BACKWARD)
-            rw.retime(sharded, last=cast)
-            sizes = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
-            rw.add(sizes, Role.GRADIENT, cast, None if zero_grad is None else Point(zero_grad, 0), "", "")
 
     def _unit_of(self, param: str) -> str:
         for unit in self.step.structure.blocks:

@@ -36,7 +36,7 @@ def test_deepspeed_model_states_equal_deepspeeds_estimators(gpus, zero):
         )
     else:
         _, expected = estimate_zero2_model_states_mem_needs(shape.parameters, num_gpus_per_node=gpus, cpu_offload=False)
-    assert deepspeed_model_states(shape, layout) == expected
+    assert deepspeed_model_states(shape, layout).total == expected
 
 
 @pytest.mark.parametrize("options, precision", [({}, "float32"), ({"mixed_precision": "bf16"}, "bfloat16")])
@@ -44,21 +44,21 @@ def test_accelerate_estimate_equals_accelerates_peak(options, precision):
     setup = TrainingSetup(**options)
     shape = model_shape(tiny_model("llama"), setup)
     stages = estimate_training_usage(4 * shape.parameters, precision)
-    assert accelerate_training(shape, setup) == max(stages.values())
+    assert accelerate_training(shape, setup).total == max(stages.values())
 
 
 def test_korthikanti_activations_per_layer():
     shape = model_shape(tiny_model("llama"), SETUP)
     s, b, h, a = 64, 2, shape.hidden, shape.heads
-    assert korthikanti_activations(shape, SETUP, Layout()) == shape.layers * s * b * h * (34 + 5 * a * s / h)
+    assert korthikanti_activations(shape, SETUP, Layout()).total == shape.layers * s * b * h * (34 + 5 * a * s / h)
     full = TrainingSetup(batch_size=2, seq_len=64, grad_checkpointing="full")
-    assert korthikanti_activations(shape, full, Layout()) == shape.layers * 2 * s * b * h
+    assert korthikanti_activations(shape, full, Layout()).total == shape.layers * 2 * s * b * h
 
 
 def test_llmem_covers_data_parallel_only():
     shape = model_shape(tiny_model("llama"), SETUP)
-    assert llmem(shape, SETUP, Layout(gpus=2, tp=2)) is None
-    assert llmem(shape, SETUP, Layout(gpus=4, zero=3)) > 0
+    assert llmem(shape, SETUP, Layout(gpus=2, tp=2)).total is None
+    assert llmem(shape, SETUP, Layout(gpus=4, zero=3)).total > 0
 
 
 @pytest.mark.parametrize("layout", [{}, {"gpus": 2, "zero": 3}], ids=["one-gpu", "fsdp"])

@@ -23,10 +23,13 @@ SINGLE_GPU = Layout()
 
 
 @dataclass(frozen=True)
-class RankEstimate:
+class StepResult:
+    """A report with the step it was read from: an estimated rank's step after the layout's transforms, or
+    a measured step (on CPU, every storage's real lifetime)."""
+
     report: MemoryReport
-    step: StepGraph  # the rank's step, after the layout's transforms
-    line: Timeline  # live bytes per category at every op, as the allocator counts them on CUDA
+    step: StepGraph
+    line: Timeline  # live bytes per category at every op (on CUDA estimates, as the allocator counts them)
 
 
 def analyze(
@@ -47,7 +50,7 @@ def estimate(
     setup: TrainingSetup,
     layout: Layout = SINGLE_GPU,
     progress: Progress | None = None,
-) -> RankEstimate:
+) -> StepResult:
     """:func:`analyze`, keeping the busiest rank's step and timeline (for timelines and per-module tables)."""
     model = resolve_model(model) if isinstance(model, str) else model
     check_layout(layout, setup, model.config)
@@ -75,7 +78,7 @@ def with_layout_assumptions(trace: Trace, layout: Layout, recipe: str | None) ->
 
 def rank_estimate(
     model_id: str, setup: TrainingSetup, layout: Layout, trace: Trace, rank: Rank, rank_step: StepGraph
-) -> RankEstimate:
+) -> StepResult:
     """The report of one rank from its step: its timeline, and on CUDA the caching allocator's replay."""
     line = timeline(rank_step)
     replay = None
@@ -85,10 +88,10 @@ def rank_estimate(
     report = build_report(model_id, setup, trace, rank_step, line, find_peak(line), layout, rank)
     if replay is not None:
         report.set_device_memory(replay.peak_reserved, find_gpu(setup.gpu).context_bytes)
-    return RankEstimate(report, rank_step, line)
+    return StepResult(report, rank_step, line)
 
 
-def busiest(estimates: list[RankEstimate], layout: Layout) -> RankEstimate:
+def busiest(estimates: list[StepResult], layout: Layout) -> StepResult:
     """The rank with the highest peak, carrying every rank's report when there are several."""
     top = max(estimates, key=lambda estimate: estimate.report.peak_bytes)
     if not layout.plain:

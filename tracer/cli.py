@@ -105,7 +105,9 @@ def _parser() -> argparse.ArgumentParser:
         help="our estimate beside the analytic formulas people use",
         description="Estimate as analyze does and print, beside it, the 16 bytes/parameter rule, DeepSpeed's "
         "model-state estimator, accelerate's estimate-memory, LLMem's formulas and Korthikanti et al.'s "
-        "activation formula on the same setup, with what each leaves out.",
+        "activation formula on the same setup, category by category (parameters, gradients, optimizer states, "
+        "activations, logits and loss, other), with one line explaining each difference of 5% of the peak or more: "
+        "what the formula assumes and what the trace holds instead.",
     )
     _add_step_arguments(compare)
     _add_layout_arguments(compare)
@@ -636,19 +638,17 @@ def _run_timeline(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from analysis.formulas import formula_estimates, render_comparison
+    from analysis.comparison import compare, comparison_json, render_comparison
+    from analysis.formulas import formula_estimates, model_shape
     from tracer.resolve import resolve_model
 
     setup = _setup(args)
     layout = _layout(args)
     model = resolve_model(args.model)
-    report = _estimate(args, model, setup, layout).report
-    formulas = formula_estimates(model, setup, layout)
-    if args.json:
-        data = {"ours": report.to_json(), "formulas": [f.__dict__ for f in formulas]}
-        print(json.dumps(data, indent=2))
-    else:
-        print(render_comparison(report, formulas))
+    result = _estimate(args, model, setup, layout)
+    shape = model_shape(model, setup)
+    comparison = compare(result.report, result.step, result.line, shape, formula_estimates(shape, setup, layout))
+    print(json.dumps(comparison_json(comparison), indent=2) if args.json else render_comparison(comparison))
     return 0
 
 

@@ -16,12 +16,12 @@ from analysis.allocator import block_size
 from analysis.peak import find_peak, timeline
 from analysis.report import MemoryReport, build_report
 from analysis.units import format_bytes
-from tracer.analyze import analyze
+from tracer.analyze import StepResult, analyze
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.inference import InferenceStep
-from tracer.modules import ModuleScope, count_parameters
+from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
@@ -60,6 +60,11 @@ def require_device(target: Target) -> None:
 
 def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     """Run two real training steps (or generations) and report the memory of the second."""
+    return measure_step(model, setup).report
+
+
+def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult:
+    """:func:`measure`, keeping the recorded step and its timeline."""
     require_device(setup.target)
     cuda = setup.target is Target.CUDA
     model = resolve_model(model) if isinstance(model, str) else model
@@ -83,9 +88,9 @@ def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
     if not any(_stepped(lambda: step.run(batch, micro_steps=micro_steps), scaler) for _ in range(MAX_SKIPPED_STEPS)):
         raise UserError(_SKIPPED_MESSAGE)
     for _ in range(MAX_SKIPPED_STEPS):
-        report = _measure_step(model, setup, step, batch, device)
-        if report is not None:
-            return report
+        result = _measure_step(model, setup, step, batch, device)
+        if result is not None:
+            return result
     raise UserError(_SKIPPED_MESSAGE)
 
 
@@ -102,7 +107,7 @@ def _stepped(run, scaler: torch.amp.GradScaler | None) -> bool:
     return scaler is None or scaler.get_scale() >= scale
 
 
-def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device) -> MemoryReport | None:
+def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device) -> StepResult | None:
     """Measure one step; None if the GradScaler skipped its optimizer step (then it is not steady state)."""
     cuda = device.type == "cuda"
     net = step.model
@@ -123,6 +128,7 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         return None
     trace = recorder.trace()
     trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
+    trace.structure = model_structure(net)
     trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
     step_graph = build_graph(trace)
     line = timeline(step_graph)
@@ -136,7 +142,7 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         report.device_total_bytes = total - free  # the whole device: other processes count too
     else:
         report.peak_bytes = meter.peak
-    return report
+    return StepResult(report, step_graph, line)
 
 
 def _refuse_if_too_large(model: ResolvedModel, setup: TrainingSetup) -> None:

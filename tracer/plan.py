@@ -22,7 +22,7 @@ from analysis.steptime import Cluster, StepTime, step_time
 from analysis.units import format_bytes
 from strategies.apply import Rank, apply, check_layout, ranks, traced_setup
 from strategies.layout import Layout
-from tracer.analyze import RankEstimate, busiest, rank_estimate, with_layout_assumptions
+from tracer.analyze import StepResult, busiest, rank_estimate, with_layout_assumptions
 from tracer.errors import UserError
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import ResolvedModel
@@ -176,7 +176,7 @@ class LayoutSteps:
         self.trace = with_layout_assumptions(source.trace(2), layout, recipe)
         self.ranks: list[Rank] = ranks(layout, source.step(2))
         self._lines: dict[Rank, BatchLine | None] = {}
-        self._estimates: dict[int, RankEstimate] = {}
+        self._estimates: dict[int, StepResult] = {}
 
     def rank_step(self, rank: Rank, batch: int) -> StepGraph:
         if batch >= 2 and self.source.line() is not None:
@@ -196,7 +196,7 @@ class LayoutSteps:
     def _setup(self, batch: int) -> TrainingSetup:
         return dataclasses.replace(self.setup, batch_size=batch)
 
-    def evaluate(self, batch: int) -> RankEstimate:
+    def evaluate(self, batch: int) -> StepResult:
         if batch not in self._estimates:
             estimates = [
                 rank_estimate(
