@@ -55,7 +55,14 @@ def test_analyze_text_report(tmp_path, capsys):
     )
     assert code == 0
     assert "Estimated peak allocated memory" in out and "Breakdown at the peak" in out
-    assert "Tracing one training step" in err
+    assert "forward" in err and "backward" in err  # the progress bar's stages
+    assert err.rstrip().endswith("s.") and "Traced one training step" in err
+
+
+@pytest.mark.parametrize("flag", ["--quiet", "--json"])
+def test_progress_is_silent_with_quiet_or_json(tmp_path, capsys, flag):
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "32", flag)
+    assert code == 0 and err == ""
 
 
 def test_a_config_directory_works(tmp_path, capsys):

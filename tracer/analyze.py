@@ -56,10 +56,12 @@ def estimate(
     check_layout(layout, setup, model.config)
     trace = trace_for_layout(model, setup, layout, progress)
     step = build_graph(trace)
-    estimates = [
-        rank_estimate(model.model_id, setup, layout, trace, rank, apply(step, layout, setup, rank))
-        for rank in ranks(layout, step)
-    ]
+    distinct = ranks(layout, step)
+    estimates = []
+    for done, rank in enumerate(distinct):
+        if progress is not None:
+            progress("each rank's step and peak", done, len(distinct))
+        estimates.append(rank_estimate(model.model_id, setup, layout, trace, rank, apply(step, layout, setup, rank)))
     return busiest(estimates, layout)
 
 

@@ -448,7 +448,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     budget = MemoryBudget(gpu.memory_bytes, args.margin)
     model = resolve_model(args.model)
     _warn_about_length(model, setup)
-    with _progress_bar(args, "planning") as bar:
+    with _progress_bar(args, "planning", unit="layout") as bar:
         result = plan(
             model,
             setup,
@@ -554,25 +554,15 @@ def _expandable_segments(args: argparse.Namespace) -> bool:
 
 
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
-    """The estimate with its progress line on stderr."""
+    """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks)."""
     from tracer.analyze import estimate
 
     _warn_about_length(model, setup)
     start = time.perf_counter()
-    stages: list[str] = []
-
-    def on_stage(stage: str) -> None:
-        _progress(args, (", " if stages else " ") + stage, end="")
-        stages.append(stage)
-
+    with _progress_bar(args, f"tracing {model.model_id}", unit="", leave=False) as bar:
+        result = estimate(model, setup, layout, progress=bar)
     what = "inference" if setup.mode == "inference" else "one training step"
-    _progress(args, f"Tracing {what} of {model.model_id} on fake tensors:", end="")
-    try:
-        result = estimate(model, setup, layout, progress=on_stage)
-    except UserError:
-        _progress(args, "")  # end the progress line before the error
-        raise
-    _progress(args, f"; done in {time.perf_counter() - start:.1f} s.")
+    _progress(args, f"Traced {what} of {model.model_id} on fake tensors in {time.perf_counter() - start:.1f} s.")
     return result
 
 
@@ -722,21 +712,23 @@ def _warn_about_length(model, setup: TrainingSetup) -> None:
 
 
 @contextmanager
-def _progress_bar(args: argparse.Namespace, what: str):
-    """A tqdm bar on stderr fed with ``(message, done, total)``; a total of 0 is a stage without a count.
-    Silent with --quiet or --json."""
+def _progress_bar(args: argparse.Namespace, what: str, unit: str, leave: bool = True):
+    """A tqdm bar on stderr fed with ``(stage, done, total)``: each new stage starts it again, a total of 0
+    is a stage without a count. Silent with --quiet or --json."""
     if args.quiet or args.json:
-        yield lambda message, done, total: None
+        yield lambda stage, done, total: None
         return
     from tqdm import tqdm
 
-    with tqdm(desc=what, file=sys.stderr, unit="layout", dynamic_ncols=True, leave=True) as bar:
+    with tqdm(desc=what, file=sys.stderr, unit=unit, dynamic_ncols=True, leave=leave) as bar:
+        current = [None]
 
-        def update(message: str, done: int, total: int) -> None:
-            if total:
-                bar.total = total
-                bar.n = done
-            bar.set_postfix_str(message[:60])
+        def update(stage: str, done: int, total: int) -> None:
+            if stage != current[0]:
+                current[0] = stage
+                bar.reset(total=total or None)
+                bar.set_description_str(f"{what}: {stage[:60]}", refresh=False)
+            bar.n = done
             bar.refresh()
 
         yield update

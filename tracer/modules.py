@@ -7,6 +7,8 @@ when the forward op that created it runs. Nothing here holds a tensor, so lifeti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
@@ -17,7 +19,9 @@ ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
 
 
 class ModuleScope:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, on_block: Callable[[int], None] | None = None) -> None:
+        """``on_block`` is told the index of the decoder block an op belongs to whenever it changes (for
+        progress: blocks run in order in forward and in reverse in backward)."""
         self._names = {id(module): name for name, module in model.named_modules()}
         self._param_owner = {
             id(param): name.rpartition(".")[0] for name, param in model.named_parameters(remove_duplicate=False)
@@ -25,6 +29,10 @@ class ModuleScope:
         self._stack: list[str] = []
         self._module_of_node: dict[int, str] = {}
         self._handles: list = []
+        self._on_block = on_block
+        self._block_index = {name: index for index, name in enumerate(decoder_blocks(model))} if on_block else {}
+        self._block_of: dict[str, int | None] = {}
+        self._last_block: int | None = None
 
     def __enter__(self) -> ModuleScope:
         self._handles = [
@@ -44,6 +52,12 @@ class ModuleScope:
 
     def current(self) -> str:
         """The module path of the op being dispatched now ("" is the model itself)."""
+        name = self._current()
+        if self._on_block is not None:
+            self._note_block(name)
+        return name
+
+    def _current(self) -> str:
         if self._stack:
             name = self._stack[-1]
             # The autograd node of the op being dispatched (if any) was just created and took this number.
@@ -55,6 +69,16 @@ class ModuleScope:
         if node.name() == ACCUMULATE_GRAD:
             return self._param_owner.get(id(node.variable), "")
         return self._module_of_node.get(node._sequence_nr(), "")
+
+    def _note_block(self, module: str) -> None:
+        if module not in self._block_of:
+            parts = module.split(".")
+            paths = (".".join(parts[:end]) for end in range(1, len(parts) + 1))
+            self._block_of[module] = next((self._block_index[p] for p in paths if p in self._block_index), None)
+        block = self._block_of[module]
+        if block is not None and block != self._last_block:
+            self._last_block = block
+            self._on_block(block)
 
     def _enter_module(self, module: nn.Module, args: object) -> None:
         name = self._names.get(id(module))

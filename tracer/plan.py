@@ -230,16 +230,20 @@ def plan(
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
     distinct = list({search.source_for(search.candidate_setup(c), c.layout)[0]: None for c in chosen})
-    on_progress(f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3", 0, 0)
     pairs = [(source, batch) for source in distinct for batch in (2, 3)]
-    for index, trace in _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs):
+    tracing = f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3"
+    on_progress(tracing, 0, len(pairs))
+    traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
+    for done, (index, trace) in enumerate(traced):
         source, batch = pairs[index]
         source.add_trace(batch, trace)
+        on_progress(tracing, done + 1, len(pairs))
     outcomes: list[Outcome | None] = [None] * len(chosen)
     searched = _in_processes(lambda index: _search(search, chosen[index]), len(chosen), jobs)
+    on_progress("largest micro-batch of each layout", 0, len(chosen))
     for done, (index, outcome) in enumerate(searched):
         outcomes[index] = outcome
-        on_progress(chosen[index].describe(), done + 1, len(chosen))
+        on_progress("largest micro-batch of each layout", done + 1, len(chosen))
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
     failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
     result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)

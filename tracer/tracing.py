@@ -26,7 +26,7 @@ from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
 from tracer.inference import InferenceStep
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope, count_parameters, model_structure
+from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
@@ -43,17 +43,19 @@ class TraceGradScaler(torch.amp.GradScaler):
         return optimizer.step(*args, **kwargs)
 
 
-Progress = Callable[[str], None]
+# Told (stage, done, total): each stage as it starts, then within forward and backward (and prefill/decode)
+# the decoder blocks done out of all; a total of 0 is a stage without a count.
+Progress = Callable[[str, int, int], None]
 
 
 def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None) -> Trace:
-    """Record one steady-state training step. ``progress`` is told each stage as it starts."""
-    report = progress or (lambda stage: None)
+    """Record one steady-state training step, telling ``progress`` how far it got."""
+    report = progress or (lambda stage, done, total: None)
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     with FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
-        report("building the model")
+        report("building the model", 0, 0)
         net = build_model(config, setup)
         batch = make_batch(config, setup, "cpu")
         if setup.mode == "inference":
@@ -68,7 +70,13 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
             )
         with _op_errors():
             step.prime()
-        recorder = StepRecorder(ModuleScope(net), device_type=None if cuda else "cpu")
+        blocks = len(decoder_blocks(net))
+
+        def on_block(index: int) -> None:  # blocks run in order, and in reverse in backward
+            phase = recorder.phase
+            report(phase.value, blocks - index if phase is Phase.BACKWARD else index + 1, blocks)
+
+        recorder = StepRecorder(ModuleScope(net, on_block), device_type=None if cuda else "cpu")
         register_baseline(recorder, step, batch, step_counters_on_host=cuda)
         workspace = None
         if emulation is not None:
@@ -76,7 +84,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
             recorder.track_existing(workspace, Role.WORKSPACE, "cuBLAS workspace")
 
         def on_phase(phase: Phase) -> None:
-            report(phase.value)
+            report(phase.value, 0, 0 if phase is Phase.OPTIMIZER else blocks)
             recorder.enter(phase)
 
         with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
