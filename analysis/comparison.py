@@ -78,12 +78,11 @@ def _explanations(
         if not formula.terms:
             lines[f"not for this setup: {formula.why_not}"].append(formula.name)
     for category in Category:
+        ours, at_peak = profile.largest[category], profile.at_peak[category]
         for formula in formulas:
-            term = formula.terms.get(category)
-            ours = profile.largest[category]
             if not formula.terms:
                 continue
-            at_peak = profile.at_peak[category]
+            term = formula.terms.get(category)
             if term is None and category in formula.accounts_for and at_peak >= large:
                 up_to = f", up to {format_bytes(ours)}" if ours > at_peak else ""
                 text = (
