@@ -14,7 +14,7 @@ from enum import Enum
 import numpy as np
 
 from analysis.liveness import Lifetime, lifetimes
-from analysis.peak import Timeline
+from analysis.peak import Timeline, live_bytes
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
@@ -82,23 +82,21 @@ def categorized_lifetimes(step: StepGraph) -> list[tuple[Lifetime, Category]]:
     return result
 
 
-def category_timeline(step: StepGraph, line: Timeline) -> np.ndarray:
+def category_timeline(step: StepGraph, line: Timeline, spans: list[tuple[Lifetime, Category]]) -> np.ndarray:
     """live[i, c]: bytes of ``Category`` c live at op i, on the same rounding as ``line`` (its allocator slack
     is counted in ``OTHER``), so every row sums to the line's total."""
     categories = list(Category)
-    count = len(step.ops)
-    change = np.zeros((count + 1, len(categories)), dtype=np.int64)
-    for span, category in categorized_lifetimes(step):
-        column = categories.index(category)
-        change[span.first, column] += span.bytes
-        change[span.last + 1, column] -= span.bytes
-    live = np.cumsum(change[:count], axis=0)
+    columns = [categories.index(category) for _, category in spans]
+    live = live_bytes([span for span, _ in spans], columns, len(step.ops), len(categories))
     live[:, categories.index(Category.OTHER)] += line.live[:, line.roles.index(Role.ALLOCATOR_SLACK)]
     return live
 
 
-def category_profile(step: StepGraph, line: Timeline, peak_index: int) -> CategoryProfile:
-    live = category_timeline(step, line)
+def category_profile(
+    step: StepGraph, line: Timeline, peak_index: int, spans: list[tuple[Lifetime, Category]] | None = None
+) -> CategoryProfile:
+    """``spans``: the step's :func:`categorized_lifetimes`, when the caller has them already."""
+    live = category_timeline(step, line, categorized_lifetimes(step) if spans is None else spans)
     largest_at = live.argmax(axis=0)
     return CategoryProfile(
         at_peak={category: int(live[peak_index, c]) for c, category in enumerate(Category)},

@@ -15,11 +15,13 @@ from tabulate import tabulate
 
 from analysis.categories import Category, CategoryProfile, categorized_lifetimes, category_profile
 from analysis.formulas import FormulaEstimate, ModelShape
+from analysis.liveness import Lifetime
 from analysis.peak import Timeline
 from analysis.report import MemoryReport
 from analysis.units import format_bytes, format_count
 from strategies.apply import traced_setup
 from tracer.graph import StepGraph, StorageRow
+from tracer.modules import enclosing_block
 
 LARGE_SHARE = 0.05  # a difference, or a category a formula leaves out, this share of the peak gets a line
 MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)
@@ -57,8 +59,9 @@ class Comparison:
 def compare(
     report: MemoryReport, step: StepGraph, line: Timeline, shape: ModelShape, formulas: list[FormulaEstimate]
 ) -> Comparison:
-    profile = category_profile(step, line, report.peak_op_index)
-    facts = _Facts(report, step, shape, profile).all()
+    spans = categorized_lifetimes(step)
+    profile = category_profile(step, line, report.peak_op_index, spans)
+    facts = _Facts(report, step, shape, profile, spans).all()
     explanations = _explanations(report, step, profile, formulas, facts)
     return Comparison(report, profile, formulas, facts, shape, explanations)
 
@@ -121,9 +124,15 @@ def _names(names: list[str]) -> str:
 class _Facts:
     """What the trace holds in each category, from the storages live where that category is largest."""
 
-    def __init__(self, report: MemoryReport, step: StepGraph, shape: ModelShape, profile: CategoryProfile) -> None:
-        self.report, self.step, self.shape, self.profile = report, step, shape, profile
-        self.spans = categorized_lifetimes(step)
+    def __init__(
+        self,
+        report: MemoryReport,
+        step: StepGraph,
+        shape: ModelShape,
+        profile: CategoryProfile,
+        spans: list[tuple[Lifetime, Category]],
+    ) -> None:
+        self.report, self.step, self.shape, self.profile, self.spans = report, step, shape, profile, spans
 
     def all(self) -> dict[Category, Fact]:
         facts = {category: self.model_state(category) for category in MODEL_STATES}
@@ -216,16 +225,15 @@ class _Facts:
 
 
 def _layer_part(module: str, blocks: set[str]) -> str:
-    parts = module.split(".")
-    for end in range(1, len(parts) + 1):
-        if ".".join(parts[:end]) in blocks:
-            inner = parts[end:]
-            if any(key in name for name in inner for key in ATTENTION_NAMES):
-                return "attention"
-            if any(key in name for name in inner for key in MLP_NAMES):
-                return "MLP"
-            return "norms and residuals"
-    return OUTSIDE_LAYERS
+    block = enclosing_block(module, blocks)
+    if block is None:
+        return OUTSIDE_LAYERS
+    inner = module[len(block) + 1 :].split(".")
+    if any(key in name for name in inner for key in ATTENTION_NAMES):
+        return "attention"
+    if any(key in name for name in inner for key in MLP_NAMES):
+        return "MLP"
+    return "norms and residuals"
 
 
 def _is_score(row: StorageRow, seq_len: int) -> bool:

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import numpy as np
 
-from analysis.liveness import lifetimes
+from analysis.liveness import Lifetime, lifetimes
 from tracer.graph import StepGraph
 from tracer.roles import Role
 
@@ -51,17 +51,21 @@ class Peak:
 def timeline(step: StepGraph, rounded: bool = True) -> Timeline:
     roles = tuple(Role)
     slot = {role: r for r, role in enumerate(roles)}
-    count = len(step.ops)
-    # change[i]: bytes allocated at op i less those freed after op i - 1; the running sum is what is live
-    change = np.zeros((count + 1, len(roles)), dtype=np.int64)
     spans = lifetimes(step, rounded)
-    columns = np.fromiter((slot[span.role] for span in spans), dtype=np.int64, count=len(spans))
+    return Timeline(roles, live_bytes(spans, [slot[span.role] for span in spans], len(step.ops), len(roles)))
+
+
+def live_bytes(spans: list[Lifetime], columns: list[int], count: int, width: int) -> np.ndarray:
+    """live[i, c]: bytes of the spans put in column c (``columns[k]`` for ``spans[k]``) live at op i."""
+    # change[i]: bytes allocated at op i less those freed after op i - 1; the running sum is what is live
+    change = np.zeros((count + 1, width), dtype=np.int64)
+    column = np.asarray(columns, dtype=np.int64)
     sizes = np.fromiter((span.bytes for span in spans), dtype=np.int64, count=len(spans))
     firsts = np.fromiter((span.first for span in spans), dtype=np.int64, count=len(spans))
     ends = np.fromiter((span.last + 1 for span in spans), dtype=np.int64, count=len(spans))
-    np.add.at(change, (firsts, columns), sizes)
-    np.add.at(change, (ends, columns), -sizes)
-    return Timeline(roles, np.cumsum(change[:count], axis=0))
+    np.add.at(change, (firsts, column), sizes)
+    np.add.at(change, (ends, column), -sizes)
+    return np.cumsum(change[:count], axis=0)
 
 
 def find_peak(line: Timeline) -> Peak:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
+from tracer.modules import enclosing_block
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
 
@@ -59,6 +60,7 @@ class _Fsdp:
         self.step, self.plan = step, plan
         self.rw = Rewrite(step)
         self.params = {row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param}
+        self.blocks = set(step.structure.blocks)
         self.units: dict[str, list[str]] = {block: [] for block in step.structure.blocks} | {ROOT: []}
         for name in self.params:
             self.units[self._unit_of(name)].append(name)
@@ -215,10 +217,7 @@ class _Fsdp:
             return
 
     def _unit_of(self, param: str) -> str:
-        for unit in self.step.structure.blocks:
-            if param.startswith(unit + "."):
-                return unit
-        return ROOT
+        return enclosing_block(param, self.blocks) or ROOT
 
 
 @dataclass(frozen=True)

@@ -721,11 +721,12 @@ def _progress_bar(args: argparse.Namespace, what: str, unit: str, leave: bool = 
     from tqdm import tqdm
 
     with tqdm(desc=what, file=sys.stderr, unit=unit, dynamic_ncols=True, leave=leave) as bar:
-        current = [None]
+        current = None
 
         def update(stage: str, done: int, total: int) -> None:
-            if stage != current[0]:
-                current[0] = stage
+            nonlocal current
+            if stage != current:
+                current = stage
                 bar.reset(total=total or None)
                 bar.set_description_str(f"{what}: {stage[:60]}", refresh=False)
             bar.n = done

@@ -7,7 +7,7 @@ when the forward op that created it runs. Nothing here holds a tensor, so lifeti
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 from torch import nn
@@ -72,9 +72,8 @@ class ModuleScope:
 
     def _note_block(self, module: str) -> None:
         if module not in self._block_of:
-            parts = module.split(".")
-            paths = (".".join(parts[:end]) for end in range(1, len(parts) + 1))
-            self._block_of[module] = next((self._block_index[p] for p in paths if p in self._block_index), None)
+            block_path = enclosing_block(module, self._block_index)
+            self._block_of[module] = None if block_path is None else self._block_index[block_path]
         block = self._block_of[module]
         if block is not None and block != self._last_block:
             self._last_block = block
@@ -116,6 +115,12 @@ def model_structure(model: nn.Module) -> ModelStructure:
         tp_plan=dict(getattr(model, "_tp_plan", None) or {}),
         model_class=type(model).__name__,
     )
+
+
+def enclosing_block(path: str, blocks: Container[str]) -> str | None:
+    """The block of ``blocks`` that the module or parameter at ``path`` lies in (or is), if any."""
+    parts = path.split(".")
+    return next((p for p in (".".join(parts[:end]) for end in range(1, len(parts) + 1)) if p in blocks), None)
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, ...]:
