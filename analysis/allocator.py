@@ -28,8 +28,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
+
 MIB = 1024**2
-MIN_BLOCK_SIZE = 512  # kMinBlockSize
 SMALL_SIZE = 1 * MIB  # kSmallSize: largest request served by the small pool
 SMALL_BUFFER = 2 * MIB  # kSmallBuffer: small pool segments (and expandable small-pool pages)
 LARGE_BUFFER = 20 * MIB  # kLargeBuffer: segments for 1-10 MiB requests (and expandable large-pool pages)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from analysis.allocator import block_size
 from tracer.graph import StepGraph, StorageRow, replaced
 from tracer.trace import Op
 
@@ -69,7 +68,7 @@ def _affine(one: int, two: int, steps: int) -> int:
 def _row_at(one: StorageRow, two: StorageRow, steps: int) -> StorageRow:
     nbytes = _affine(one.nbytes, two.nbytes, steps)
     shape = tuple(_affine(a, b, steps) for a, b in zip(one.shape, two.shape, strict=True))
-    return replaced(one, nbytes=nbytes, bytes=block_size(nbytes), shape=shape)
+    return replaced(one, nbytes=nbytes, shape=shape)
 
 
 def _op_at(one: Op, two: Op, steps: int) -> Op:
@@ -78,7 +77,7 @@ def _op_at(one: Op, two: Op, steps: int) -> Op:
     )
 
 
-_SIZES = {"bytes", "nbytes", "shape"}
+_SIZES = {"nbytes", "shape"}
 
 
 def _check_same_structure(one: StepGraph, two: StepGraph) -> None:

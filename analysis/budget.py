@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from analysis.report import MemoryReport
-from analysis.units import format_bytes
+from tracer.units import format_bytes
 
 # Share of the GPU's capacity kept free. What the estimate does not hold: torch reports a little less total
 # memory than the datasheet (79.1-79.3 GiB of an 80 GB part), NCCL's communicator buffers, the side streams'

@@ -18,10 +18,10 @@ from analysis.formulas import FormulaEstimate, ModelShape
 from analysis.liveness import Lifetime
 from analysis.peak import Timeline
 from analysis.report import MemoryReport
-from analysis.units import format_bytes, format_count
 from strategies.apply import traced_setup
 from tracer.graph import StepGraph, StorageRow
 from tracer.modules import enclosing_block
+from tracer.units import format_bytes, format_count
 
 LARGE_SHARE = 0.05  # a difference, or a category a formula leaves out, this share of the peak gets a line
 MODEL_STATES = (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATES)

@@ -10,13 +10,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from analysis.allocator import AllocatorConfig
+from analysis.allocator import AllocatorConfig, block_size
 from analysis.liveness import holds_memory
 from analysis.peak import Timeline
 from analysis.replay import replay_step
-from analysis.units import GIB
 from tracer.graph import StepGraph
 from tracer.roles import Role
+from tracer.units import GIB
 
 FORMATS = (".png", ".html", ".csv", ".json", ".pickle")
 
@@ -27,12 +27,13 @@ def timeline_rows(step: StepGraph, line: Timeline) -> list[dict[str, Any]]:
     allocated: dict[int, int] = defaultdict(int)
     freed: dict[int, int] = defaultdict(int)
     for row in step.storages.values():
-        if not row.on_device or row.bytes == 0 or not holds_memory(row):
+        size = block_size(row.nbytes)
+        if not row.on_device or size == 0 or not holds_memory(row):
             continue
         if row.producer is not None:
-            allocated[row.producer] += row.bytes
+            allocated[row.producer] += size
         if row.freed_after is not None:
-            freed[row.freed_after] += row.bytes
+            freed[row.freed_after] += size
     rows = []
     for op in step.ops:
         live = line.breakdown(op.index)

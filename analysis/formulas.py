@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from analysis.categories import Category
-from analysis.units import format_bytes
 from strategies.layout import Layout
 from tracer.modules import decoder_blocks
 from tracer.resolve import ResolvedModel
 from tracer.step import build_model
 from tracer.training import TrainingSetup
+from tracer.units import format_bytes
 
 RULE_OF_THUMB_BYTES_PER_PARAMETER = 16
 LLMEM_ROUNDING = 2 * 1024**2  # SizeEstimator.base_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from analysis.allocator import block_size
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Role
 
@@ -33,7 +34,7 @@ def lifetimes(step: StepGraph, rounded: bool = True, on_device: bool = True) -> 
     last_op = len(step.ops) - 1
     result = []
     for row in step.storages.values():
-        size = row.bytes if rounded else row.nbytes
+        size = block_size(row.nbytes) if rounded else row.nbytes
         if row.on_device != on_device or size == 0:
             continue
         first = 0 if row.producer is None else row.producer

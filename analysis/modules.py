@@ -8,8 +8,8 @@ from typing import Any
 from tabulate import tabulate
 
 from analysis.liveness import lifetimes
-from analysis.units import format_bytes
 from tracer.graph import StepGraph
+from tracer.units import format_bytes
 
 TOP_STORAGES = 10
 BEFORE_THE_STEP = "(before the step)"

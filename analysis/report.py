@@ -11,13 +11,13 @@ from tabulate import tabulate
 
 from analysis.liveness import lifetimes
 from analysis.peak import Peak, Timeline, host_peak
-from analysis.units import format_bytes, format_count
 from strategies.apply import Rank
 from strategies.layout import Layout
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import Trace
 from tracer.training import Target, TrainingSetup
+from tracer.units import format_bytes, format_count
 
 TOP_GROUPS = 8
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")

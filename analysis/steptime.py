@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from analysis.gpus import PCIE_4_X16_GBPS, Gpu
 from strategies.layout import Layout
+from tracer.gpus import PCIE_4_X16_GBPS, Gpu
 from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
 from tracer.trace import element_size

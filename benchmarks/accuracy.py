@@ -22,13 +22,13 @@ from pathlib import Path
 import transformers
 from tabulate import tabulate
 
+from analysis.estimate import analyze
 from analysis.formulas import formula_estimates
-from analysis.gpus import gpu_for_device_name
 from benchmarks.ground_truth.cases import Case
 from benchmarks.ground_truth.collect import DATA
 from benchmarks.ground_truth.run_case import setup_of
 from strategies.layout import Layout
-from tracer.analyze import analyze
+from tracer.gpus import gpu_for_device_name
 from tracer.resolve import resolve_model
 from tracer.training import Target
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_inference import DECODE_PEAK, PREFILL_PEAK
 from tiny_models import FAMILIES, tiny_model
 
-from tracer.analyze import analyze
-from tracer.measure import measure
+from analysis.estimate import analyze
+from analysis.measure import measure
 from tracer.training import Target, TrainingSetup
 
 GENERATIONS: dict[str, dict] = {

@@ -14,10 +14,10 @@ import time
 import transformers
 from tabulate import tabulate
 
-from analysis.units import GIB
-from tracer.analyze import analyze
+from analysis.estimate import analyze
 from tracer.resolve import resolve_model
 from tracer.training import TrainingSetup
+from tracer.units import GIB
 
 MODELS = (
     "meta-llama/Llama-3.2-3B",

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_variants import ATTENTION
 from tiny_models import FAMILIES, tiny_model
 
-from tracer.analyze import analyze
-from tracer.measure import measure
+from analysis.estimate import analyze
+from analysis.measure import measure
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 VARIANTS: dict[str, dict] = {

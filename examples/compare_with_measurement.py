@@ -2,8 +2,8 @@
 
 from transformers import AutoConfig
 
-from tracer.analyze import analyze
-from tracer.measure import measure
+from analysis.estimate import analyze
+from analysis.measure import measure
 from tracer.resolve import ResolvedModel
 from tracer.training import Target, TrainingSetup
 

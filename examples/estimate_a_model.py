@@ -1,8 +1,8 @@
 """Estimate the peak memory of fine-tuning a bundled model, and show what is live at the peak."""
 
-from analysis.units import format_bytes
-from tracer.analyze import analyze
+from analysis.estimate import analyze
 from tracer.training import TrainingSetup
+from tracer.units import format_bytes
 
 report = analyze(
     "meta-llama/Llama-3.2-1B",

@@ -1,9 +1,9 @@
 """How long a context fits for 4-bit inference of a bundled model on a 24 GB GPU, at a few batch sizes."""
 
-from analysis.gpus import find_gpu
+from analysis.sweep import render_sweep, run_sweep
 from strategies.layout import Layout
+from tracer.gpus import find_gpu
 from tracer.resolve import resolve_model
-from tracer.sweep import render_sweep, run_sweep
 from tracer.training import TrainingSetup
 
 model = resolve_model("meta-llama/Llama-3.2-3B")

@@ -146,7 +146,7 @@ def ranks(layout: Layout, step: StepGraph) -> list[Rank]:
         state_bytes: dict[str, int] = defaultdict(int)
         for row in step.storages.values():
             if row.role is Role.OPTIMIZER_STATE and row.on_device and row.param:
-                state_bytes[row.param] += row.bytes
+                state_bytes[row.param] += row.nbytes
         loads = [sum(state_bytes[name] for name in names) for names in partition(parameter_sizes(step), layout.dp)]
         data = sorted({0, loads.index(max(loads))})
     elif layout.dp > 1 and layout.zero in (2, 3) and layout.engine == "fsdp":

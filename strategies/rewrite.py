@@ -10,7 +10,6 @@ from collections import defaultdict
 from itertools import count
 from typing import NamedTuple
 
-from analysis.allocator import block_size
 from tracer.graph import StepGraph, StorageRow, replaced
 from tracer.roles import Phase, Role
 from tracer.trace import Op
@@ -54,7 +53,7 @@ class Rewrite:
         self, storage_id: int, nbytes: int, dtype: str | None = None, shape: tuple[int, ...] | None = None
     ) -> None:
         row, first, last = self._rows[storage_id]
-        row = replaced(row, nbytes=nbytes, bytes=block_size(nbytes), dtype=dtype or row.dtype, shape=shape or row.shape)
+        row = replaced(row, nbytes=nbytes, dtype=dtype or row.dtype, shape=shape or row.shape)
         self._rows[storage_id] = (row, first, last)
 
     def to_host(self, storage_id: int) -> None:
@@ -97,7 +96,6 @@ class Rewrite:
         self._next_id += 1
         row = StorageRow(
             id=storage_id,
-            bytes=block_size(nbytes),
             nbytes=nbytes,
             dtype=dtype,
             shape=(nbytes,),

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import FAMILIES, tiny_model
 
-from tracer.analyze import analyze
-from tracer.measure import measure
+from analysis.estimate import analyze
+from analysis.measure import measure
 from tracer.training import Target, TrainingSetup
 
 TOLERANCE = 0.001

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import TINY_CONFIGS, tiny_model
 
-from tracer.cli import EXIT_USER_ERROR, main
+from analysis.cli import EXIT_USER_ERROR, main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -176,7 +176,7 @@ def test_every_tiny_family_is_a_registry_family():
 
 
 def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("tracer.measure._available_bytes", lambda target: 1024**2)
+    monkeypatch.setattr("analysis.measure._available_bytes", lambda target: 1024**2)
     code, _, err = _run(capsys, "measure", str(_config_file(tmp_path)), "--seq-len", "16", "--target", "cpu")
     _assert_user_error(code, err, "Measuring needs about", "only 1.000 MiB is free", "python -m tracer analyze")
 

@@ -9,15 +9,15 @@ import pytest
 from accelerate.commands.estimate import estimate_training_usage
 
 from analysis.categories import Category, category_profile
+from analysis.cli import main
 from analysis.comparison import compare
+from analysis.estimate import estimate
 from analysis.formulas import accelerate_training, formula_estimates, model_shape
-from analysis.units import format_bytes
+from analysis.measure import measure_step
 from strategies.layout import Layout
 from tests.tiny_models import tiny_model
-from tracer.analyze import estimate
-from tracer.cli import main
-from tracer.measure import measure_step
 from tracer.training import LoraSetup, Target, TrainingSetup
+from tracer.units import format_bytes
 
 TOLERANCE = 0.001  # of the peak, as tests/test_accuracy_cpu.py
 CPU_SETUPS = {

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from analysis.gpus import find_gpu
 from tracer.cuda.kernels import SdpaBackend, select_sdpa_backend
 from tracer.cuda.workspaces import cublas_workspace_bytes, flash_backward_scratch
+from tracer.gpus import find_gpu
 from tracer.roles import Phase, Role
 from tracer.tracing import trace_step
 from tracer.training import Target, TrainingSetup

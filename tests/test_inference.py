@@ -9,14 +9,14 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
+from analysis.cli import EXIT_USER_ERROR, main
+from analysis.estimate import analyze
+from analysis.measure import measure
 from analysis.report import MemoryReport
+from analysis.sweep import parse_sweep
 from strategies.layout import Layout
-from tracer.analyze import analyze
-from tracer.cli import EXIT_USER_ERROR, main
 from tracer.errors import UserError
-from tracer.measure import measure
 from tracer.quantization import Linear4bit
-from tracer.sweep import parse_sweep
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 TOLERANCE = 0.001  # the bar against eager execution
@@ -177,9 +177,9 @@ def test_sweep_table_marks_what_fits(capsys, tmp_path):
 
 
 def test_sweep_reports_none_that_fits(monkeypatch, capsys):
-    import tracer.sweep
+    import analysis.sweep
 
-    monkeypatch.setattr(tracer.sweep, "FIT_MARGIN", 1.0)  # nothing fits in no memory
+    monkeypatch.setattr(analysis.sweep, "FIT_MARGIN", 1.0)  # nothing fits in no memory
     assert main(["analyze", "gpt2", "--mode", "inference", "--quiet", "--sweep", "batch=1,2"]) == 0
     assert "largest batch that fits: none of 1, 2" in capsys.readouterr().out
 

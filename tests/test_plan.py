@@ -10,14 +10,14 @@ from tiny_models import tiny_model
 
 from analysis.batch_line import BatchLine
 from analysis.budget import MemoryBudget
-from analysis.gpus import find_gpu
+from analysis.cli import main
+from analysis.estimate import analyze
+from analysis.plan import Candidate, plan
 from analysis.steptime import Cluster
 from strategies.apply import apply, ranks
 from strategies.layout import Layout
-from tracer.analyze import analyze
-from tracer.cli import main
+from tracer.gpus import find_gpu
 from tracer.graph import build_graph
-from tracer.plan import Candidate, plan
 from tracer.tracing import trace_step
 from tracer.training import TrainingSetup
 

@@ -12,11 +12,11 @@ import subprocess
 import pytest
 from torch.cuda import _memory_viz
 
+from analysis.cli import main
+from analysis.estimate import allocator_config, estimate
 from analysis.export import memory_snapshot, timeline_rows
 from analysis.modules import module_table
 from tests.tiny_models import tiny_model
-from tracer.analyze import allocator_config, estimate
-from tracer.cli import main
 from tracer.training import TrainingSetup
 
 SETUP = TrainingSetup(batch_size=2, seq_len=32)

@@ -8,12 +8,12 @@ import torch
 from runtimes import runtime_peak
 from tiny_models import FAMILIES, tiny_model
 
+from analysis.estimate import analyze
+from analysis.measure import measure
 from analysis.peak import find_peak, timeline
 from strategies.apply import Rank, apply, traced_setup
 from strategies.layout import Layout
-from tracer.analyze import analyze
 from tracer.graph import build_graph
-from tracer.measure import measure
 from tracer.optimizers import AdamW8bit
 from tracer.quantization import Linear4bit, Linear8bitLt
 from tracer.tracing import trace_step

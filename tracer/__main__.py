@@ -1,5 +1,10 @@
+"""``python -m tracer``: the command line, whose code lives in the top layer (analysis/cli.py).
+
+This entry point is the one module of ``tracer`` that reaches up: it is the program, and nothing imports it.
+"""
+
 import sys
 
-from tracer.cli import main
+from analysis.cli import main
 
 sys.exit(main())

@@ -1,5 +1,8 @@
 """The recorded step as a graph: ops in execution order joined by the storages they pass, plus the
-storage table the memory passes read (bytes as the allocator rounds them, role, producer, users, module)."""
+storage table the memory passes read (exact bytes, role, producer, users, module).
+
+Sizes are what the tensors need, as observed; how an allocator would round them is the passes' business
+(``analysis/liveness.py``), not the graph's."""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ from functools import cached_property
 
 import networkx as nx
 
-from analysis.allocator import block_size
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op, Trace
 
@@ -18,7 +20,6 @@ from tracer.trace import ModelStructure, Op, Trace
 @dataclass(frozen=True)
 class StorageRow:
     id: int
-    bytes: int  # what the CUDA caching allocator hands out for it
     nbytes: int  # what the tensors in it need
     dtype: str
     shape: tuple[int, ...]
@@ -98,7 +99,6 @@ def build_graph(trace: Trace) -> StepGraph:
         producer = storage.created_at
         rows[storage.id] = StorageRow(
             id=storage.id,
-            bytes=block_size(storage.nbytes),
             nbytes=storage.nbytes,
             dtype=storage.dtype,
             shape=storage.shape,

@@ -18,12 +18,12 @@ from torch._subclasses.fake_tensor import (
 )
 from transformers import masking_utils
 
-from analysis.allocator import MIN_BLOCK_SIZE
-from analysis.gpus import find_gpu
 from tracer.baseline import register_baseline
 from tracer.cuda import CudaEmulation
+from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
+from tracer.gpus import find_gpu
 from tracer.inference import InferenceStep
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure

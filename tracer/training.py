@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from analysis.gpus import PCIE_4_X16_GBPS
 from tracer.errors import UserError
+from tracer.gpus import PCIE_4_X16_GBPS
 
 
 class Target(str, Enum):

@@ -24,8 +24,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
+from analysis.measure import measure
 from benchmarks.ground_truth.cases import Case
-from tracer.measure import measure
 from tracer.resolve import resolve_model
 from tracer.training import LoraSetup, Target, TrainingSetup
 

@@ -16,10 +16,10 @@ from contextlib import AbstractContextManager, ExitStack, nullcontext
 
 import torch
 
-from analysis.gpus import Gpu
 from tracer.cuda.autocast import CudaAutocast
 from tracer.cuda.kernels import CudaKernels
 from tracer.cuda.workspaces import KernelScratch, cublas_workspace_bytes
+from tracer.gpus import Gpu
 
 
 class CudaEmulation:

@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
-from analysis.gpus import Gpu
+from tracer.gpus import Gpu
 
 
 class SdpaBackend(str, Enum):

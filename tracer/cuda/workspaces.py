@@ -17,7 +17,7 @@ import re
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from analysis.gpus import Gpu
+from tracer.gpus import Gpu
 
 KIB = 1024
 

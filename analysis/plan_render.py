@@ -6,9 +6,9 @@ from typing import Any
 
 from tabulate import tabulate
 
+from analysis.plan import Outcome, Plan
 from analysis.steptime import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, NETWORK_EFFICIENCY
-from analysis.units import GIB, format_bytes
-from tracer.plan import Outcome, Plan
+from tracer.units import GIB, format_bytes
 
 
 def render_plan(plan: Plan) -> str:

@@ -7,12 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from analysis.allocator import AllocatorConfig
-from analysis.gpus import find_gpu
 from analysis.peak import Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
 from strategies.apply import Rank, apply, check_layout, ranks, runtime_assumptions, traced_setup
 from strategies.layout import Layout
+from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import ResolvedModel, resolve_model
 from tracer.trace import Trace

@@ -13,10 +13,9 @@ from functools import partial
 import torch
 
 from analysis.allocator import block_size
+from analysis.estimate import StepResult, analyze
 from analysis.peak import find_peak, timeline
 from analysis.report import MemoryReport, build_report
-from analysis.units import format_bytes
-from tracer.analyze import StepResult, analyze
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
@@ -27,6 +26,7 @@ from tracer.resolve import ResolvedModel, resolve_model
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
 from tracer.trace import Storage
 from tracer.training import Target, TrainingSetup
+from tracer.units import format_bytes
 
 # Keep this much memory free beyond the predicted peak before running a real step.
 HEADROOM_FRACTION = 0.10

@@ -1,4 +1,4 @@
-"""``python -m tracer``: a thin command line over :func:`tracer.analyze.analyze` and friends."""
+"""``python -m tracer``: a thin command line over :func:`analysis.estimate.analyze` and friends."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from analysis.gpus import PCIE_4_X16_GBPS
 from tracer.errors import UserError
+from tracer.gpus import PCIE_4_X16_GBPS
 from tracer.training import (
     ATTENTIONS,
     CACHES,
@@ -408,12 +408,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
     from analysis.budget import MemoryBudget
-    from analysis.gpus import find_gpu
+    from analysis.plan import plan
+    from analysis.plan_render import plan_json, render_plan
     from analysis.steptime import Cluster
-    from analysis.units import parse_bytes
-    from tracer.plan import plan
-    from tracer.plan_render import plan_json, render_plan
+    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
+    from tracer.units import parse_bytes
 
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--jobs", args.jobs)):
         if value < 1:
@@ -467,7 +467,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_gpus(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from analysis.gpus import GPUS
+    from tracer.gpus import GPUS
 
     if args.json:
         print(json.dumps([gpu.__dict__ for gpu in GPUS], indent=2))
@@ -555,7 +555,7 @@ def _expandable_segments(args: argparse.Namespace) -> bool:
 
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
     """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks)."""
-    from tracer.analyze import estimate
+    from analysis.estimate import estimate
 
     _warn_about_length(model, setup)
     start = time.perf_counter()
@@ -567,9 +567,9 @@ def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from analysis.gpus import find_gpu
     from analysis.modules import module_table, render_module_table
     from analysis.report import render_text
+    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
     if args.by_module is not None and args.by_module < 1:
@@ -594,9 +594,9 @@ def _run_analyze(args: argparse.Namespace) -> int:
 def _run_timeline(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from analysis.estimate import allocator_config
     from analysis.export import FORMATS, timeline_rows, write_csv, write_html, write_json, write_png, write_snapshot
-    from analysis.gpus import find_gpu
-    from tracer.analyze import allocator_config
+    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
     path = Path(args.output)
@@ -645,7 +645,7 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _run_sweep(args: argparse.Namespace, model, setup: TrainingSetup, layout, gpu) -> int:
     import dataclasses
 
-    from tracer.sweep import parse_sweep, render_sweep, run_sweep, sweep_json
+    from analysis.sweep import parse_sweep, render_sweep, run_sweep, sweep_json
 
     axes = parse_sweep(args.sweep, setup.mode)
     longest = dict(seq_len=max(axes.get("seq-len", (setup.seq_len,))))
@@ -665,8 +665,8 @@ def _run_sweep(args: argparse.Namespace, model, setup: TrainingSetup, layout, gp
 
 
 def _run_measure(args: argparse.Namespace) -> int:
+    from analysis.measure import measure, require_device
     from analysis.report import render_text
-    from tracer.measure import measure, require_device
     from tracer.resolve import resolve_model
 
     setup = _setup(args)

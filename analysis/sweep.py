@@ -10,14 +10,14 @@ from typing import Any
 
 from tabulate import tabulate
 
-from analysis.gpus import Gpu
+from analysis.estimate import analyze
 from analysis.report import MemoryReport
-from analysis.units import format_bytes
 from strategies.layout import Layout
-from tracer.analyze import analyze
 from tracer.errors import UserError
+from tracer.gpus import Gpu
 from tracer.resolve import ResolvedModel
 from tracer.training import TrainingSetup
+from tracer.units import format_bytes
 
 # --sweep axis name -> the TrainingSetup field it sets
 AXES = {"batch": "batch_size", "seq-len": "seq_len", "max-new-tokens": "max_new_tokens"}

@@ -17,18 +17,18 @@ from typing import TypeVar
 
 from analysis.batch_line import BatchLine, BatchShapeError
 from analysis.budget import MemoryBudget
+from analysis.estimate import StepResult, busiest, rank_estimate, with_layout_assumptions
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, step_time
-from analysis.units import format_bytes
 from strategies.apply import Rank, apply, check_layout, ranks, traced_setup
 from strategies.layout import Layout
-from tracer.analyze import StepResult, busiest, rank_estimate, with_layout_assumptions
 from tracer.errors import UserError
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import ResolvedModel
 from tracer.trace import Trace
 from tracer.tracing import trace_step, traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
+from tracer.units import format_bytes
 
 MAX_MICRO_BATCH = 1024
 T = TypeVar("T")
