@@ -18,7 +18,6 @@ from analysis.formulas import FormulaEstimate, ModelShape
 from analysis.liveness import Lifetime
 from analysis.peak import Timeline
 from analysis.report import MemoryReport
-from strategies.apply import traced_setup
 from tracer.graph import StepGraph, StorageRow
 from tracer.modules import enclosing_block
 from tracer.units import format_bytes, format_count
@@ -178,10 +177,12 @@ class _Facts:
         )
 
     def precision_note(self) -> str:
-        traced, recipe = traced_setup(self.report.setup, self.report.layout)
-        if traced.autocast_dtype:
+        recipe = self.report.assumptions.get("mixed_precision_recipe")
+        if recipe:
+            return f" ({recipe})"
+        if self.report.setup.autocast_dtype:
             return " (torch.amp autocast keeps fp32 weights and casts them per op)"
-        return f" ({recipe})" if recipe else ""
+        return ""
 
     def activations(self) -> Fact:
         live = self.live(Category.ACTIVATIONS)

@@ -1,17 +1,24 @@
-"""The estimate: resolve the model, trace one step without memory, transform it for each rank of the
-layout, and read each rank's peak off its step."""
+"""The one estimate pipeline: prepare the layout, trace the single-GPU step it needs, transform that step for
+each distinct rank, and read each rank's peak off its step. ``analyze``, ``plan``, ``sweep``, ``compare`` and
+``timeline`` all go through it.
+
+A :class:`StepSource` holds the traces of one step at any batch size; a :class:`LayoutEstimate` the ranks of
+one prepared layout over such a source. ``estimate`` traces the batch size asked for; the planner and sweeps
+ask the source for a batch line (analysis/batch_line.py), so that a batch size costs a resize, not a trace.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 from analysis.allocator import AllocatorConfig
+from analysis.batch_line import BatchLine, BatchShapeError
 from analysis.peak import Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
-from strategies.apply import Rank, apply, check_layout, ranks, runtime_assumptions, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, PreparedLayout, Rank, prepare
 from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import ResolvedModel, resolve_model
@@ -53,29 +60,108 @@ def estimate(
 ) -> StepResult:
     """:func:`analyze`, keeping the busiest rank's step and timeline (for timelines and per-module tables)."""
     model = resolve_model(model) if isinstance(model, str) else model
-    check_layout(layout, setup, model.config)
-    trace = trace_for_layout(model, setup, layout, progress)
-    step = build_graph(trace)
-    distinct = ranks(layout, step)
-    estimates = []
-    for done, rank in enumerate(distinct):
-        if progress is not None:
-            progress("each rank's step and peak", done, len(distinct))
-        estimates.append(rank_estimate(model.model_id, setup, layout, trace, rank, apply(step, layout, setup, rank)))
-    return busiest(estimates, layout)
+    prepared = prepare(layout, setup, model.config)
+    source = StepSource(model, prepared.traced, progress)
+    return LayoutEstimate(model.model_id, prepared, source).evaluate(setup.batch_size, progress)
 
 
-def trace_for_layout(
-    model: ResolvedModel, setup: TrainingSetup, layout: Layout, progress: Progress | None = None
-) -> Trace:
-    """The single-GPU step every rank of the layout is a transform of, with what the layout assumes."""
-    traced, recipe = traced_setup(setup, layout)
-    return with_layout_assumptions(trace_step(model, traced, progress), layout, recipe)
+class StepSource:
+    """The traced single-GPU step of one setup at any batch size, each traced when first asked for. With
+    ``lines``, a batch size from 2 on is a point on the line through the steps at batches 2 and 3."""
+
+    def __init__(
+        self, model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None, lines: bool = False
+    ) -> None:
+        self.model, self.setup, self.progress, self.lines = model, setup, progress, lines
+        self._traces: dict[int, Trace] = {}
+        self._steps: dict[int, StepGraph] = {}
+        self._line: BatchLine | None = None
+
+    def trace(self, batch: int) -> Trace:
+        if batch not in self._traces:
+            self._traces[batch] = trace_step(
+                self.model, dataclasses.replace(self.setup, batch_size=batch), self.progress
+            )
+        return self._traces[batch]
+
+    def add_trace(self, batch: int, trace: Trace) -> None:
+        """A trace made elsewhere (the planner traces in worker processes)."""
+        self._traces[batch] = trace
+
+    def some_batch(self) -> int:
+        """A batch size already traced (the setup's own if none is): for what does not depend on the batch
+        (assumptions, counts, which ranks differ)."""
+        return next(iter(self._traces), self.setup.batch_size)
+
+    def traced_step(self, batch: int) -> StepGraph:
+        if batch not in self._steps:
+            self._steps[batch] = build_graph(self.trace(batch))
+        return self._steps[batch]
+
+    def step(self, batch: int) -> StepGraph:
+        line = self.line() if self.lines and batch >= 2 else None
+        return line.at(batch) if line is not None else self.traced_step(batch)
+
+    def line(self) -> BatchLine | None:
+        """None if the steps at batch 2 and 3 differ in more than sizes: then every batch is traced."""
+        if self._line is None:
+            try:
+                self._line = BatchLine(self.traced_step(2), self.traced_step(3), first=2)
+            except BatchShapeError:
+                return None
+        return self._line
 
 
-def with_layout_assumptions(trace: Trace, layout: Layout, recipe: str | None) -> Trace:
-    recipe_note = {"mixed_precision_recipe": recipe} if recipe else {}
-    return dataclasses.replace(trace, assumptions=trace.assumptions | recipe_note | runtime_assumptions(layout))
+class LayoutEstimate:
+    """One prepared layout's rank steps and reports at any batch size of its source. With a source that draws
+    lines, each rank's transformed steps at batches 2 and 3 give that rank's line too, so that a batch size
+    costs a resize, a timeline and an allocator replay."""
+
+    def __init__(self, model_id: str, prepared: PreparedLayout, source: StepSource) -> None:
+        self.model_id, self.prepared, self.source = model_id, prepared, source
+        self._lines: dict[Rank, BatchLine | None] = {}
+        self._results: dict[int, StepResult] = {}
+
+    @cached_property
+    def trace(self) -> Trace:
+        """A trace of the step with the layout's assumptions: what the reports share whatever the batch."""
+        trace = self.source.trace(self.source.some_batch())
+        return dataclasses.replace(trace, assumptions=trace.assumptions | self.prepared.assumptions)
+
+    @cached_property
+    def ranks(self) -> list[Rank]:
+        return self.prepared.ranks(self.source.traced_step(self.source.some_batch()))
+
+    def rank_step(self, rank: Rank, batch: int) -> StepGraph:
+        if self.source.lines and batch >= 2 and self.source.line() is not None:
+            if rank not in self._lines:
+                try:
+                    self._lines[rank] = BatchLine(self._transformed(rank, 2), self._transformed(rank, 3), first=2)
+                except BatchShapeError:
+                    self._lines[rank] = None
+            line = self._lines[rank]
+            if line is not None:
+                return line.at(batch)
+        return self._transformed(rank, batch)
+
+    def _transformed(self, rank: Rank, batch: int) -> StepGraph:
+        return self.prepared.rank_step(self.source.step(batch), rank)
+
+    def evaluate(self, batch: int, progress: Progress | None = None) -> StepResult:
+        """The busiest rank's result at ``batch``, carrying every distinct rank's report."""
+        if batch not in self._results:
+            setup = dataclasses.replace(self.prepared.setup, batch_size=batch)
+            estimates = []
+            for done, rank in enumerate(self.ranks):
+                if progress is not None:
+                    progress("each rank's step and peak", done, len(self.ranks))
+                estimates.append(
+                    rank_estimate(
+                        self.model_id, setup, self.prepared.layout, self.trace, rank, self.rank_step(rank, batch)
+                    )
+                )
+            self._results[batch] = busiest(estimates, self.prepared.layout)
+        return self._results[batch]
 
 
 def rank_estimate(

@@ -15,18 +15,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from analysis.batch_line import BatchLine, BatchShapeError
 from analysis.budget import MemoryBudget
-from analysis.estimate import StepResult, busiest, rank_estimate, with_layout_assumptions
+from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, step_time
-from strategies.apply import Rank, apply, check_layout, ranks, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, prepare
+from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
-from tracer.graph import StepGraph, build_graph
 from tracer.resolve import ResolvedModel
-from tracer.trace import Trace
-from tracer.tracing import trace_step, traced_micro_steps
+from tracer.tracing import traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
 from tracer.units import format_bytes
 
@@ -89,7 +86,8 @@ def candidates(
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
             continue
         try:
-            Layout(gpus=gpus, tp=tp).check_model(model.config)
+            if tp > 1:
+                TensorParallel(tp).check(model.config)
         except UserError as error:
             skipped.append(f"tensor parallel {tp}: {error}")
             continue
@@ -98,7 +96,7 @@ def candidates(
     chosen = []
     for layout in layouts:
         try:
-            check_layout(layout, setup, model.config)
+            prepare(layout, setup, model.config)
         except UserError as error:
             skipped.append(f"{layout.describe()}: {error}")
             continue
@@ -124,90 +122,6 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
     return layouts
 
 
-class StepSource:
-    """The single-GPU steps of one traced setup at any batch size: batch 1 and the line through batches 2 and
-    3 are each traced when first needed."""
-
-    def __init__(self, model: ResolvedModel, setup: TrainingSetup) -> None:
-        self.model, self.setup = model, setup
-        self._traces: dict[int, Trace] = {}
-        self._steps: dict[int, StepGraph] = {}
-        self._line: BatchLine | None = None
-
-    def trace(self, batch: int) -> Trace:
-        if batch not in self._traces:
-            self._traces[batch] = trace_step(self.model, dataclasses.replace(self.setup, batch_size=batch))
-        return self._traces[batch]
-
-    def add_trace(self, batch: int, trace: Trace) -> None:
-        self._traces[batch] = trace
-
-    def describe(self) -> str:
-        recompute = f"{self.setup.grad_checkpointing} checkpointing" if self.setup.grad_checkpointing else ""
-        accumulate = "gradient accumulation" if self.setup.grad_accum > 1 else ""
-        details = ", ".join(part for part in (self.setup.dtype, recompute, accumulate) if part)
-        return f"the step ({details})"
-
-    def traced_step(self, batch: int) -> StepGraph:
-        if batch not in self._steps:
-            self._steps[batch] = build_graph(self.trace(batch))
-        return self._steps[batch]
-
-    def step(self, batch: int) -> StepGraph:
-        line = self.line()
-        return line.at(batch) if line is not None and batch >= line.first else self.traced_step(batch)
-
-    def line(self) -> BatchLine | None:
-        """None if the steps at batch 2 and 3 differ in more than sizes: then every batch is traced."""
-        if self._line is None:
-            try:
-                self._line = BatchLine(self.traced_step(2), self.traced_step(3), first=2)
-            except BatchShapeError:
-                return None
-        return self._line
-
-
-class LayoutSteps:
-    """One candidate's rank steps at any batch size: each rank's transformed steps at batches 2 and 3 give its
-    line, so that a batch size costs a resize, a timeline and an allocator replay."""
-
-    def __init__(self, model_id: str, setup: TrainingSetup, layout: Layout, source: StepSource, recipe: str | None):
-        self.model_id, self.setup, self.layout, self.source = model_id, setup, layout, source
-        self.trace = with_layout_assumptions(source.trace(2), layout, recipe)
-        self.ranks: list[Rank] = ranks(layout, source.step(2))
-        self._lines: dict[Rank, BatchLine | None] = {}
-        self._estimates: dict[int, StepResult] = {}
-
-    def rank_step(self, rank: Rank, batch: int) -> StepGraph:
-        if batch >= 2 and self.source.line() is not None:
-            if rank not in self._lines:
-                try:
-                    self._lines[rank] = BatchLine(self._apply(rank, 2), self._apply(rank, 3), first=2)
-                except BatchShapeError:
-                    self._lines[rank] = None
-            line = self._lines[rank]
-            if line is not None:
-                return line.at(batch)
-        return self._apply(rank, batch)
-
-    def _apply(self, rank: Rank, batch: int) -> StepGraph:
-        return apply(self.source.step(batch), self.layout, self._setup(batch), rank)
-
-    def _setup(self, batch: int) -> TrainingSetup:
-        return dataclasses.replace(self.setup, batch_size=batch)
-
-    def evaluate(self, batch: int) -> StepResult:
-        if batch not in self._estimates:
-            estimates = [
-                rank_estimate(
-                    self.model_id, self._setup(batch), self.layout, self.trace, rank, self.rank_step(rank, batch)
-                )
-                for rank in self.ranks
-            ]
-            self._estimates[batch] = busiest(estimates, self.layout)
-        return self._estimates[batch]
-
-
 def plan(
     model: ResolvedModel,
     setup: TrainingSetup,
@@ -229,7 +143,7 @@ def plan(
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
-    distinct = list({search.source_for(search.candidate_setup(c), c.layout)[0]: None for c in chosen})
+    distinct = list({search.layout_estimate(search.candidate_setup(c), c.layout).source: None for c in chosen})
     pairs = [(source, batch) for source in distinct for batch in (2, 3)]
     tracing = f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3"
     on_progress(tracing, 0, len(pairs))
@@ -259,7 +173,7 @@ def _suggestions(search: _Search, gpus: int) -> list[str]:
     recompute = Candidate(Layout(), "full")
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         layout = Layout(gpus=more, zero=3)
-        steps = _layout_steps(search, search.candidate_setup(recompute), layout)
+        steps = search.layout_estimate(search.candidate_setup(recompute), layout)
         report = steps.evaluate(1).report
         if search.budget.fits(report):
             found.append(
@@ -270,7 +184,7 @@ def _suggestions(search: _Search, gpus: int) -> list[str]:
     if search.setup.lora is None and not search.setup.quantize:
         lora = dataclasses.replace(search.candidate_setup(recompute), lora=LoraSetup(r=16))
         layout = Layout(gpus=gpus)
-        steps = _layout_steps(search, lora, layout)
+        steps = search.layout_estimate(lora, layout)
         report = steps.evaluate(1).report
         if search.budget.fits(report):
             found.append(
@@ -293,12 +207,14 @@ class _Search:
     def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
         return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
 
-    def source_for(self, candidate_setup: TrainingSetup, layout: Layout) -> tuple[StepSource, str | None]:
-        traced, recipe = traced_setup(candidate_setup, layout)
+    def layout_estimate(self, candidate_setup: TrainingSetup, layout: Layout) -> LayoutEstimate:
+        """The candidate's estimate over the step source its traced setup shares with other candidates."""
+        prepared = prepare(layout, candidate_setup, self.model.config)
+        traced = prepared.traced
         key = dataclasses.replace(traced, batch_size=1, grad_accum=traced_micro_steps(traced))
         if key not in self.sources:
-            self.sources[key] = StepSource(self.model, key)
-        return self.sources[key], recipe
+            self.sources[key] = StepSource(self.model, key, lines=True)
+        return LayoutEstimate(self.model.model_id, prepared, self.sources[key])
 
 
 def _in_processes(work: Callable[[int], T], count: int, jobs: int) -> Iterator[tuple[int, T]]:
@@ -337,7 +253,7 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
         per_rank = global_batch // layout.dp
     cap = per_rank or MAX_MICRO_BATCH
     candidate_setup = search.candidate_setup(candidate)
-    steps = _layout_steps(search, candidate_setup, layout)
+    steps = search.layout_estimate(candidate_setup, layout)
     largest, report = _largest_fitting(steps, budget, cap)
     if largest == 0:
         outcome.report, outcome.needed_bytes = report, budget.needed_bytes(report)
@@ -347,7 +263,7 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     if accumulation > 1:
         if _accumulation_modelled(layout):
             accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
-            steps = _layout_steps(search, accumulating, layout)
+            steps = search.layout_estimate(accumulating, layout)
             while micro > 0 and not budget.fits(steps.evaluate(micro).report):
                 micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)
             if micro == 0:
@@ -368,18 +284,13 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     return outcome
 
 
-def _layout_steps(search: _Search, candidate_setup: TrainingSetup, layout: Layout) -> LayoutSteps:
-    source, recipe = search.source_for(candidate_setup, layout)
-    return LayoutSteps(search.model.model_id, candidate_setup, layout, source, recipe)
-
-
 def _accumulation_modelled(layout: Layout) -> bool:
     """Gradient accumulation's memory is traced for one GPU, DDP and ZeroRedundancyOptimizer (see
-    strategies/apply.py check_layout)."""
+    strategies/layout.py prepare)."""
     return layout.tp == 1 and layout.engine == "fsdp" and layout.zero <= 1
 
 
-def _largest_fitting(steps: LayoutSteps, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
+def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
     """The largest batch up to ``cap`` that fits, and its report (0 and batch 1's report if none does).
 
     Memory grows with the batch, so the edge lies between the largest size seen to fit and the smallest seen

@@ -11,8 +11,7 @@ from tabulate import tabulate
 
 from analysis.liveness import lifetimes
 from analysis.peak import Peak, Timeline, host_peak
-from strategies.apply import Rank
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import Trace

@@ -144,7 +144,7 @@ def _volumes(single: StepGraph, layout: Layout) -> _Volumes:
     parameters = sum(row.nbytes for row in single.storages.values() if row.role is Role.PARAMETER and row.on_device)
     gradient_elements = sum(row.numel for row in single.storages.values() if row.role is Role.GRADIENT)
     gradient_dtype = next((row.dtype for row in single.storages.values() if row.role is Role.GRADIENT), "float32")
-    # FSDP2's MixedPrecisionPolicy reduces in fp32 (strategies/apply.py traced_setup); everyone else in the
+    # FSDP2's MixedPrecisionPolicy reduces in fp32 (strategies/fsdp.py Fsdp2.traced_setup); everyone else in the
     # gradients' dtype.
     sharded_fsdp = layout.engine == "fsdp" and layout.zero >= 2
     reduce_size = 4 if sharded_fsdp else element_size(gradient_dtype)

@@ -13,8 +13,7 @@ import time
 from tabulate import tabulate
 
 from analysis.peak import find_peak, timeline
-from strategies.apply import apply, ranks
-from strategies.layout import Layout
+from strategies.layout import Layout, prepare
 from tracer.graph import build_graph
 from tracer.resolve import resolve_model
 from tracer.tracing import trace_step
@@ -44,13 +43,15 @@ def main() -> None:
     args = parser.parse_args()
     setup = TrainingSetup(batch_size=args.batch_size, seq_len=args.seq_len)
     start = time.perf_counter()
-    step = build_graph(trace_step(resolve_model(args.model), setup))
+    model = resolve_model(args.model)
+    step = build_graph(trace_step(model, setup))
     traced = time.perf_counter() - start
     rows = []
     for layout in LAYOUTS:
         start = time.perf_counter()
-        distinct = ranks(layout, step)
-        peak = max(find_peak(timeline(apply(step, layout, setup, rank))).bytes for rank in distinct)
+        prepared = prepare(layout, setup, model.config)
+        distinct = prepared.ranks(step)
+        peak = max(find_peak(timeline(prepared.rank_step(step, rank))).bytes for rank in distinct)
         seconds = time.perf_counter() - start
         rows.append((layout.describe(), len(distinct), f"{peak / 1024**3:.2f}", f"{seconds:.2f}"))
     print(tabulate(rows, headers=["layout", "ranks", "peak GiB", "seconds"]))

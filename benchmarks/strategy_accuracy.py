@@ -2,7 +2,7 @@
 
     python -m benchmarks.strategy_accuracy [--markdown]
 
-Each case traces the single-GPU step once, transforms it for the layout and rank (``strategies.apply``), and
+Each case traces the single-GPU step once, transforms it for the layout and rank (``strategies.layout.prepare``), and
 compares the peak with the runtime's: DDP and ZeroRedundancyOptimizer on real CPU tensors, FSDP2 and DTensor
 tensor parallelism under FakeTensorMode, one rank of a fake process group, measured by PyTorch's memory
 trackers (``torch.distributed._tools``). Tensor bytes as the trackers count them (``--target cpu``).
@@ -25,8 +25,7 @@ from runtimes import runtime_peak
 from tiny_models import tiny_model
 
 from analysis.peak import find_peak, timeline
-from strategies.apply import Rank, apply, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank, prepare
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import Target, TrainingSetup
@@ -67,8 +66,9 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
 
 
 def estimate(family: str, layout: Layout, rank: Rank, overrides: dict, setup: TrainingSetup) -> int:
-    traced, _ = traced_setup(setup, layout)
-    step = apply(build_graph(trace_step(tiny_model(family, **overrides), traced)), layout, setup, rank)
+    model = tiny_model(family, **overrides)
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), rank)
     return find_peak(timeline(step, rounded=False)).bytes
 
 

@@ -10,9 +10,12 @@ grouped by dtype, each bucket closed once it reaches its size limit: 1 MiB for t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from strategies.rewrite import Rewrite
 from tracer.graph import StepGraph
 from tracer.roles import Role
+from tracer.training import TrainingSetup
 
 FIRST_BUCKET_BYTES = 1024**2
 BUCKET_CAP_BYTES = 25 * 1024**2
@@ -46,3 +49,23 @@ def ddp(step: StepGraph) -> StepGraph:
     for index, (dtype, nbytes) in enumerate(bucket_sizes([(row.dtype, row.nbytes) for row in grads])):
         rw.add(nbytes, Role.COMMUNICATION, None, None, f"DDP bucket {index}", dtype)
     return rw.build()
+
+
+@dataclass(frozen=True)
+class Ddp:
+    """The runtime of ``--zero 0``: every rank is alike."""
+
+    name = "DDP"
+    note = (
+        "DistributedDataParallel defaults: gradient buckets of 25 MiB (the first 1 MiB) kept for the "
+        "module's life, gradient_as_bucket_view=False"
+    )
+
+    def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
+        return setup, None
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        return [0]
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        return ddp(step)

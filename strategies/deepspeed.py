@@ -26,6 +26,7 @@ keeps one from initialization.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from strategies.rewrite import Point, Rewrite, unit_windows
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
+from tracer.training import TrainingSetup
 
 # Defaults of DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py), in elements.
 REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size
@@ -52,6 +54,50 @@ class DeepSpeedPlan:
     rank: int = 0
     offload_optimizer: bool = False  # offload_optimizer.device = "cpu" (ZeRO-Offload)
     offload_params: bool = False  # offload_param.device = "cpu" (ZeRO-Infinity, stage 3 only)
+
+
+@dataclass(frozen=True)
+class DeepSpeedZero:
+    """The runtime of ``--engine deepspeed --zero 1/2/3``, with its default configuration."""
+
+    stage: int
+    world: int
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"DeepSpeed ZeRO-{self.stage}"
+
+    @property
+    def note(self) -> str:
+        stage3 = (
+            f", stage3_prefetch_bucket_size {PREFETCH_BUCKET_SIZE:.0e}, stage3_max_live_parameters "
+            f"{MAX_LIVE_PARAMETERS:.0e}, stage3_max_reuse_distance {MAX_REUSE_DISTANCE:.0e}, "
+            f"stage3_param_persistence_threshold {PARAM_PERSISTENCE_THRESHOLD:.0e}"
+        )
+        return (
+            f"DeepSpeed ZeRO-{self.stage} defaults: reduce_bucket_size {REDUCE_BUCKET_SIZE:.0e}"
+            + (stage3 if self.stage == 3 else "")
+            + "; fp32 master weights and optimizer states of the rank's partition"
+        )
+
+    def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
+        """DeepSpeed's bf16/fp16 mode: the model in the low-precision dtype, fp32 master weights in the
+        optimizer, no autocast."""
+        if not setup.mixed_precision:
+            return setup, None
+        low = setup.mixed_precision
+        note = f"DeepSpeed {low}: the model in {low}, fp32 master weights in the ZeRO optimizer, no autocast"
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        """Every partition is padded to one size, so every rank is alike."""
+        return [0]
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        plan = DeepSpeedPlan(self.stage, self.world, rank, self.offload_optimizer, self.offload_params)
+        return deepspeed(step, plan)
 
 
 def deepspeed(step: StepGraph, plan: DeepSpeedPlan) -> StepGraph:

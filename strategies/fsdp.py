@@ -25,6 +25,7 @@ keep the original dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, 
 from tracer.modules import enclosing_block
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
+from tracer.training import TrainingSetup
 
 ROOT = ""
 FLOAT32_BYTES = element_size("float32")
@@ -46,6 +48,47 @@ class FsdpPlan:
     reshard_after_forward: bool = True
     mixed_precision: bool = False  # MixedPrecisionPolicy(param_dtype=<traced dtype>, reduce_dtype=float32)
     offload: bool = False  # CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host
+
+
+@dataclass(frozen=True)
+class Fsdp2:
+    """The runtime of PyTorch's ``--zero 2`` and ``--zero 3``: ``fully_shard`` over ``world`` ranks, of the
+    tensor-parallel slices when ``tensor_parallel`` > 1."""
+
+    world: int
+    reshard_after_forward: bool = True
+    offload: bool = False
+    tensor_parallel: int = 1
+
+    @property
+    def name(self) -> str:
+        return "FSDP2" if self.reshard_after_forward else "FSDP2 (reshard_after_forward=False)"
+
+    @property
+    def note(self) -> str:
+        return (
+            f"fully_shard on each decoder layer and on the root, reshard_after_forward={self.reshard_after_forward}, "
+            "one unit prefetched in backward, one reduce-scatter input held"
+        )
+
+    def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
+        """With mixed precision, the step that computes in the low-precision dtype: FSDP2's
+        ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` keeps fp32 shards, not autocast."""
+        if not setup.mixed_precision:
+            return setup, None
+        low = setup.mixed_precision
+        note = f"FSDP2 MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=float32) instead of autocast"
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        """Rank 0, and the last rank when a dimension does not split evenly (its shards are padded)."""
+        shapes = [row.shape for row in step.storages.values() if row.role is Role.PARAMETER]
+        uneven = any(shape and shape[0] % (self.tensor_parallel * self.world) for shape in shapes)
+        return [0, self.world - 1] if uneven else [0]
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        mixed = setup.mixed_precision is not None
+        return fsdp(step, FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload))
 
 
 def fsdp(step: StepGraph, plan: FsdpPlan) -> StepGraph:

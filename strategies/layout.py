@@ -1,15 +1,26 @@
 """A parallel layout: how many GPUs, how they split the model (tensor parallel) and the data (data parallel,
-with a ZeRO stage), and whose runtime is modelled."""
+with a ZeRO stage), and whose runtime is modelled.
+
+:func:`prepare` is the one place a layout meets a model and a step: it refuses what cannot be split, picks the
+runtimes (the only place ``--zero`` and ``--engine`` are read), and says which single-GPU step to trace.
+Each rank's step is then that traced step transformed by the runtimes, tensor parallelism first.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 from transformers import PretrainedConfig
 
-from strategies.tensor_parallel import COLWISE, ROWWISE
+from strategies.ddp import Ddp
+from strategies.deepspeed import DeepSpeedZero
+from strategies.fsdp import Fsdp2
+from strategies.tensor_parallel import TensorParallel
+from strategies.zero_redundancy import ZeroRedundancy
 from tracer.errors import UserError
+from tracer.graph import StepGraph
+from tracer.training import TrainingSetup
 
 ENGINES = ("fsdp", "deepspeed")
 TP_OUTPUTS = ("parallel", "gathered")
@@ -83,31 +94,6 @@ class Layout:
         """One GPU, no ZeRO: the traced step as it is."""
         return self.gpus == 1 and not self.zero
 
-    def check_model(self, config: PretrainedConfig) -> None:
-        """Refuse layouts the model cannot be split into."""
-        if self.tp == 1:
-            return
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % self.tp:
-            raise UserError(f"--tp {self.tp} must divide the {heads} attention heads of this model.")
-        if kv_heads % self.tp:
-            raise UserError(f"--tp {self.tp} must divide the {kv_heads} key/value heads of this model.")
-        plan = getattr(config, "base_model_tp_plan", None) or {}
-        name = type(config).__name__.removesuffix("Config")
-        if not plan:
-            raise UserError(
-                f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
-                "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Gemma-2, "
-                "GPT-NeoX/Pythia); use --tp 1."
-            )
-        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE)})
-        if unsupported:
-            raise UserError(
-                f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
-                "(only colwise and rowwise layers are); use --tp 1."
-            )
-
     def describe(self) -> str:
         offload = f", {self.offload.replace(',', ' and ')} offloaded to the CPU" if self.offload else ""
         if self.plain:
@@ -117,20 +103,125 @@ class Layout:
             sequence = " with sequence parallelism" if self.sequence_parallel else ""
             gathered = ", gathered logits" if self.tp_output == "gathered" else ""
             parts.append(f"tensor parallel {self.tp}{sequence}{gathered}")
-        if self.dp > 1:
-            parts.append(f"{self.data_parallel_name()} over {self.dp}")
-        elif self.zero:
-            parts.append(self.data_parallel_name())
+        runtime = data_parallel(self)
+        if runtime is not None:
+            parts.append(f"{runtime.name} over {self.dp}" if self.dp > 1 else runtime.name)
         return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: " + " x ".join(parts) + offload
-
-    def data_parallel_name(self) -> str:
-        if self.zero == 0:
-            return "DDP" if self.engine == "fsdp" else "DeepSpeed data parallel"
-        if self.engine == "fsdp" and self.zero == 1:
-            return "DDP with ZeroRedundancyOptimizer"
-        if self.engine == "fsdp":
-            return "FSDP2" if self.zero == 3 else "FSDP2 (reshard_after_forward=False)"
-        return f"DeepSpeed ZeRO-{self.zero}"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self) | {"dp": self.dp}
+
+
+@dataclass(frozen=True)
+class Rank:
+    """A rank of the layout, by its coordinates in the data- and tensor-parallel groups."""
+
+    dp: int = 0
+    tp: int = 0
+
+    def global_rank(self, layout: Layout) -> int:
+        return self.dp * layout.tp + self.tp
+
+
+class DataParallel(Protocol):
+    """A runtime that keeps data-parallel replicas in step (strategies/ddp.py, zero_redundancy.py, fsdp.py,
+    deepspeed.py)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def note(self) -> str: ...
+
+    def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
+        """The single-GPU step this runtime transforms, and what choosing it assumes (None: the setup's own)."""
+        ...
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        """The data-parallel ranks whose memory can differ."""
+        ...
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph: ...
+
+
+def data_parallel(layout: Layout) -> DataParallel | None:
+    """The runtime ``--zero`` and ``--engine`` stand for; None for a single replica without ZeRO."""
+    offload_params = layout.offload == "optimizer,params"
+    if layout.engine == "deepspeed" and layout.zero:
+        return DeepSpeedZero(layout.zero, layout.dp, layout.offload is not None, offload_params)
+    if layout.dp == 1:
+        return None
+    if layout.zero == 0:
+        return Ddp()
+    if layout.zero == 1:
+        return ZeroRedundancy(world=layout.dp)
+    return Fsdp2(layout.dp, layout.zero == 3, offload_params, layout.tp)
+
+
+@dataclass(frozen=True)
+class PreparedLayout:
+    """A layout checked against one model and step: the single-GPU step to trace (``traced``), and how each
+    rank's step follows from it."""
+
+    layout: Layout
+    setup: TrainingSetup
+    traced: TrainingSetup
+    tensor: TensorParallel | None = None
+    data: DataParallel | None = None
+    assumptions: dict[str, str] = field(default_factory=dict)  # what the runtimes assume, for the report
+
+    def ranks(self, step: StepGraph) -> list[Rank]:
+        """Ranks whose memory can differ, from the traced step."""
+        tensor = self.tensor.distinct_ranks(step) if self.tensor else [0]
+        data = self.data.distinct_ranks(step) if self.data else [0]
+        return [Rank(dp=d, tp=t) for d in data for t in tensor]
+
+    def rank_step(self, step: StepGraph, rank: Rank) -> StepGraph:
+        """The step of ``rank``: the traced step transformed by the layout, tensor parallelism first."""
+        if self.tensor is not None:
+            step = self.tensor.apply(step, self.setup, rank.tp)
+        if self.data is not None:
+            step = self.data.apply(step, self.setup, rank.dp)
+        return step
+
+
+def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> PreparedLayout:
+    """Refuse, before any tracing, a layout this model or step cannot be split into; otherwise the layout's
+    runtimes and the step to trace for it."""
+    if setup.mode == "inference" and (not layout.plain or layout.offload):
+        raise UserError(
+            "--mode inference is modelled on one GPU: drop --gpus, --tp, --zero and --offload (a data-parallel "
+            "replica serving its own requests needs what one GPU needs)."
+        )
+    tensor = None
+    if layout.tp > 1:
+        tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
+        tensor.check(config)
+    sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
+    if setup.grad_accum > 1 and sharded:
+        raise UserError(
+            "--grad-accum with FSDP, DeepSpeed or tensor parallelism is not modelled yet (only one GPU, DDP and "
+            "--zero 1); estimate one micro-step with --grad-accum 1."
+        )
+    if setup.quantize and sharded:
+        raise UserError(
+            "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU and with DDP only; FSDP, "
+            "DeepSpeed and tensor parallelism store them differently."
+        )
+    if setup.lora and layout.tp > 1:
+        raise UserError("LoRA with tensor parallelism is not modelled: use --tp 1.")
+    if layout.sequence_parallel and setup.seq_len % layout.tp:
+        raise UserError(
+            f"--sequence-parallel splits the sequence over the {layout.tp} tensor-parallel GPUs: --seq-len "
+            f"{setup.seq_len} must be a multiple of --tp {layout.tp}."
+        )
+    data = data_parallel(layout)
+    traced, recipe = data.traced_setup(setup) if data is not None else (setup, None)
+    assumptions = {"mixed_precision_recipe": recipe} if recipe else {}
+    if not layout.plain:
+        assumptions["layout"] = layout.describe()
+        if tensor is not None:
+            assumptions["tensor_parallel"] = tensor.note
+        if data is not None:
+            assumptions["data_parallel"] = data.note
+    return PreparedLayout(layout, setup, traced, tensor, data, assumptions)

@@ -34,12 +34,15 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
 
+from transformers import PretrainedConfig
+
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
+from tracer.training import TrainingSetup
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -58,6 +61,64 @@ _LOG_SOFTMAX = "aten._log_softmax.default"
 _NLL_LOSS_BACKWARD = "aten.nll_loss_backward.default"
 _LOG_SOFTMAX_BACKWARD = "aten._log_softmax_backward_data.default"
 GRADIENT_SHAPED_STATE = ".momentum_buffer"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The runtime of ``--tp``: DTensor's ``parallelize_module`` over ``degree`` ranks with the model's own plan
+    (:func:`megatron_plan`), optionally sequence parallel, the lm_head's output kept sliced or gathered."""
+
+    degree: int
+    sequence_parallel: bool = False
+    gathered_output: bool = False
+
+    @property
+    def note(self) -> str:
+        loss = (
+            "lm_head output all-gathered to the full vocabulary on every GPU"
+            if self.gathered_output
+            else "lm_head output kept sliced over the vocabulary, loss_parallel() cross-entropy"
+        )
+        return (
+            "PyTorch DTensor parallelize_module: the model's transformers TP plan for the decoder layers "
+            f"(colwise/rowwise), vocabulary-parallel embedding (DTensor computes its gradient at full size); {loss}"
+            + ("; sequence parallel as torchtitan lays it out" if self.sequence_parallel else "")
+        )
+
+    def check(self, config: PretrainedConfig) -> None:
+        """Refuse a model this degree cannot split."""
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % self.degree:
+            raise UserError(f"--tp {self.degree} must divide the {heads} attention heads of this model.")
+        if kv_heads % self.degree:
+            raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
+        plan = getattr(config, "base_model_tp_plan", None) or {}
+        name = type(config).__name__.removesuffix("Config")
+        if not plan:
+            raise UserError(
+                f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
+                "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Gemma-2, "
+                "GPT-NeoX/Pythia); use --tp 1."
+            )
+        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE)})
+        if unsupported:
+            raise UserError(
+                f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
+                "(only colwise and rowwise layers are); use --tp 1."
+            )
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        """Rank 0, and the last rank when a split dimension does not divide evenly (``torch.chunk`` leaves it
+        a shorter slice)."""
+        shapes = [row.shape for row in step.storages.values() if row.role is Role.PARAMETER]
+        uneven = any(size % self.degree for shape in shapes for size in shape[:2])
+        return [0, self.degree - 1] if uneven else [0]
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        sequence = setup.seq_len if self.sequence_parallel else None
+        plan = megatron_plan(step.structure, self.degree, rank, self.gathered_output, sequence_length=sequence)
+        return tensor_parallel(step, plan)
 
 
 @dataclass(frozen=True)

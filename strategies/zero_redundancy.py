@@ -8,9 +8,14 @@ that rank. After the local step each owner broadcasts its parameters in place, w
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass
+
+from strategies.ddp import Ddp, ddp
 from strategies.rewrite import Rewrite
 from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
+from tracer.training import TrainingSetup
 
 
 def partition(sizes: list[tuple[str, int]], world: int) -> list[list[str]]:
@@ -45,3 +50,27 @@ def zero_redundancy(step: StepGraph, world: int, rank: int) -> StepGraph:
 
 def _id(row) -> int:
     return row.id
+
+
+@dataclass(frozen=True)
+class ZeroRedundancy(Ddp):
+    """The runtime of PyTorch's ``--zero 1``: DDP, each rank stepping the optimizer on its own parameters."""
+
+    world: int = 1
+    name = "DDP with ZeroRedundancyOptimizer"
+    note = (
+        "DistributedDataParallel defaults with torch.distributed.optim.ZeroRedundancyOptimizer: each rank "
+        "keeps the optimizer states of the whole parameters assigned to it, largest first"
+    )
+
+    def distinct_ranks(self, step: StepGraph) -> list[int]:
+        """Rank 0 and the rank whose optimizer states take the most memory."""
+        state_bytes: dict[str, int] = defaultdict(int)
+        for row in step.storages.values():
+            if row.role is Role.OPTIMIZER_STATE and row.on_device and row.param:
+                state_bytes[row.param] += row.nbytes
+        loads = [sum(state_bytes[name] for name in names) for names in partition(parameter_sizes(step), self.world)]
+        return sorted({0, loads.index(max(loads))})
+
+    def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        return zero_redundancy(ddp(step), self.world, rank)

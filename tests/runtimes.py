@@ -32,8 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from analysis.peak import find_peak, timeline
-from strategies.apply import Rank
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank
 from strategies.tensor_parallel import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,

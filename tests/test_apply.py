@@ -6,8 +6,7 @@ import pytest
 from tiny_models import tiny_model
 
 from analysis.peak import find_peak, timeline
-from strategies.apply import Rank, apply, ranks, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank, prepare
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import Target, TrainingSetup
@@ -30,11 +29,11 @@ from tracer.training import Target, TrainingSetup
 def test_the_reported_ranks_include_the_busiest(layout, vocab, target):
     setup = TrainingSetup(target=target, batch_size=2, seq_len=32)
     model = tiny_model("llama", vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8)
-    traced, _ = traced_setup(setup, layout)
-    step = build_graph(trace_step(model, traced))
+    prepared = prepare(layout, setup, model.config)
+    step = build_graph(trace_step(model, prepared.traced))
 
     def peak(rank: Rank) -> int:
-        return find_peak(timeline(apply(step, layout, setup, rank))).bytes
+        return find_peak(timeline(prepared.rank_step(step, rank))).bytes
 
     every = [Rank(dp, tp) for dp in range(layout.dp) for tp in range(layout.tp)]
-    assert max(peak(rank) for rank in ranks(layout, step)) == max(peak(rank) for rank in every)
+    assert max(peak(rank) for rank in prepared.ranks(step)) == max(peak(rank) for rank in every)

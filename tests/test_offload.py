@@ -10,9 +10,8 @@ from tiny_models import tiny_model
 
 import strategies.deepspeed as zero
 from analysis.peak import host_peak
-from strategies.apply import Rank, apply
 from strategies.deepspeed import partition_numel
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank, prepare
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, build_graph
 from tracer.roles import Role
 from tracer.tracing import trace_step
@@ -23,8 +22,9 @@ EVEN = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256}
 
 
 def _step(layout: Layout, family: str = "llama") -> tuple[StepGraph, int]:
-    trace = trace_step(tiny_model(family, **EVEN), SETUP)
-    return apply(build_graph(trace), layout, SETUP, Rank()), trace.parameter_count
+    model = tiny_model(family, **EVEN)
+    trace = trace_step(model, SETUP)
+    return prepare(layout, SETUP, model.config).rank_step(build_graph(trace), Rank()), trace.parameter_count
 
 
 def _device_model_states(step: StepGraph) -> int:

@@ -14,8 +14,7 @@ from analysis.cli import main
 from analysis.estimate import analyze
 from analysis.plan import Candidate, plan
 from analysis.steptime import Cluster
-from strategies.apply import apply, ranks
-from strategies.layout import Layout
+from strategies.layout import Layout, prepare
 from tracer.gpus import find_gpu
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
@@ -44,8 +43,9 @@ def test_batch_line_equals_fresh_traces(family, checkpointing):
     for layout in LAYOUTS:
         if layout.tp > 1 and family == "gpt2":
             continue  # no tensor-parallel plan in transformers
-        for rank in ranks(layout, steps[2]):
-            ranked = {b: apply(steps[b], layout, dataclasses.replace(setup, batch_size=b), rank) for b in steps}
+        prepared = prepare(layout, setup, model.config)
+        for rank in prepared.ranks(steps[2]):
+            ranked = {b: prepared.rank_step(steps[b], rank) for b in steps}
             rank_line = BatchLine(ranked[2], ranked[3])
             for batch in (5, 8):
                 got, fresh = rank_line.at(batch), ranked[batch]

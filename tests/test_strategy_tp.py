@@ -8,8 +8,7 @@ from runtimes import tensor_parallel_peak
 from tiny_models import tiny_model
 
 from analysis.peak import find_peak, timeline
-from strategies.apply import Rank, apply, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank, prepare
 from strategies.tensor_parallel import megatron_plan, tensor_parallel
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
@@ -69,8 +68,8 @@ def test_sequence_parallel_setups(shape):
 
 
 def _estimate_2d(model, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
-    traced, _ = traced_setup(setup, layout)
-    step = apply(build_graph(trace_step(model, traced)), layout, setup, rank)
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), rank)
     return find_peak(timeline(step, rounded=False)).bytes
 
 

@@ -11,8 +11,7 @@ from tiny_models import FAMILIES, tiny_model
 from analysis.estimate import analyze
 from analysis.measure import measure
 from analysis.peak import find_peak, timeline
-from strategies.apply import Rank, apply, traced_setup
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank, prepare
 from tracer.graph import build_graph
 from tracer.optimizers import AdamW8bit
 from tracer.quantization import Linear4bit, Linear8bitLt
@@ -155,6 +154,7 @@ def test_variants_compose_with_the_parallel_runtimes(family, layout, options):
     model = tiny_model(family, num_attention_heads=8, num_key_value_heads=8)
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
     runtime = runtime_peak(model, setup, layout, Rank())
-    traced, _ = traced_setup(setup, layout)
-    estimate = find_peak(timeline(apply(build_graph(trace_step(model, traced)), layout, setup, Rank()), rounded=False))
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
+    estimate = find_peak(timeline(step, rounded=False))
     assert abs(estimate.bytes - runtime) / runtime <= STRATEGY_TOLERANCE, (estimate.bytes, runtime)
