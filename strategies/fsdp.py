@@ -78,7 +78,8 @@ class Fsdp2:
             return setup, None
         low = setup.mixed_precision
         note = f"FSDP2 MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=float32) instead of autocast"
-        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+        lora = setup.lora and dataclasses.replace(setup.lora, float32_adapters=False)  # adapters compute in low
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None, lora=lora), note
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
         """Rank 0, and the last rank when a dimension does not split evenly (its shards are padded)."""
@@ -114,6 +115,7 @@ class _Fsdp:
         for row in step.storages.values():
             if row.role is Role.GRADIENT and row.param in self.params:
                 self.grads[self._unit_of(row.param)].append(row)
+        self.trained = {row.param for rows in self.grads.values() for row in rows}
         self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
         self.held_reduce_input: int | None = None
 
@@ -193,7 +195,9 @@ class _Fsdp:
         # The root's post_backward runs in the final callback, which then drops the held reduce-scatter input.
         end = max(window[Phase.BACKWARD][1] for window in self.windows.values())
         self.post_backward(ROOT, end)
-        self.rw.retime(self.held_reduce_input, last=self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD))
+        if self.held_reduce_input is not None:
+            finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
+            self.rw.retime(self.held_reduce_input, last=finalize)
 
     def all_gather(self, unit: str, point: Point) -> _Gather:
         names = self.units[unit]
@@ -234,6 +238,10 @@ class _Fsdp:
             rw.retime(storage_id, last=reshard)
         if self.held_reduce_input is not None:
             rw.retime(self.held_reduce_input, last=reshard)
+        self.held_reduce_input = None
+        names = [name for name in names if name in self.trained]
+        if not names:  # frozen parameters have no gradient: nothing is reduced (FSDPParamGroup.post_backward)
+            return
         reduce_in = rw.after(last, "fsdp.reduce_scatter", unit, Phase.BACKWARD)
         size = sum(self.shards[n].padded_numel * self.reduce(n) for n in names)
         reduce_dtype = self.master_dtype(names)

@@ -158,3 +158,36 @@ def test_variants_compose_with_the_parallel_runtimes(family, layout, options):
     step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
     estimate = find_peak(timeline(step, rounded=False))
     assert abs(estimate.bytes - runtime) / runtime <= STRATEGY_TOLERANCE, (estimate.bytes, runtime)
+
+
+# Eight layers and a vocabulary of 32: the peak falls in backward, where the layers' gradients and the
+# runtimes' gradient buffers are live (with a large vocabulary it sits at the loss and hides them).
+BACKWARD_PEAK = {"num_hidden_layers": 8, "vocab_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8}
+ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
+
+
+@pytest.mark.parametrize(
+    ("layout", "options"),
+    [
+        (Layout(gpus=4, zero=3), {"lora": ADAPTERS}),
+        (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
+        (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full", "reentrant": True}),
+        (
+            Layout(gpus=4, zero=3),
+            {"lora": ADAPTERS, "mixed_precision": "bf16", "grad_checkpointing": "full", "reentrant": True},
+        ),
+        (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
+        (Layout(gpus=4), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_lora_composes_where_the_peak_is_in_backward(layout, options):
+    """FSDP2 reduce-scatters only the gradients that exist (the adapters'), and its MixedPrecisionPolicy
+    computes the adapters in the low dtype too (peft keeps them fp32 only in a low-precision model)."""
+    model = tiny_model("llama", **BACKWARD_PEAK)
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
+    runtime = runtime_peak(model, setup, layout, Rank())
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
+    estimate = find_peak(timeline(step, rounded=False))
+    assert abs(estimate.bytes - runtime) / runtime <= STRATEGY_TOLERANCE, (estimate.bytes, runtime)

@@ -26,7 +26,7 @@ def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
     )
     try:
         with patch.object(nn.Module, "to", _replacing_tensors):
-            return get_peft_model(model, config)
+            return get_peft_model(model, config, autocast_adapter_dtype=lora.float32_adapters)
     except ValueError as error:
         raise UserError(
             f"peft cannot add LoRA adapters to this model: {error} Name the layers with --lora-targets "

@@ -48,6 +48,9 @@ class LoraSetup:
     alpha: int = 16
     targets: tuple[str, ...] | None = None
     dropout: float = 0.0
+    # peft's ``autocast_adapter_dtype``: adapters of a bf16/fp16 model are kept in fp32. Off where a runtime
+    # casts every parameter to one compute dtype (FSDP2's MixedPrecisionPolicy).
+    float32_adapters: bool = True
 
     def __post_init__(self) -> None:
         if self.r < 1:
