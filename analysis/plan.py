@@ -19,7 +19,7 @@ from analysis.budget import MemoryBudget
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, step_time
-from strategies.layout import Layout, prepare
+from strategies.layout import Layout, accumulation_modelled, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.resolve import ResolvedModel
@@ -261,7 +261,7 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     micro = largest if per_rank is None else max(d for d in range(1, largest + 1) if per_rank % d == 0)
     accumulation = 1 if per_rank is None else per_rank // micro
     if accumulation > 1:
-        if _accumulation_modelled(layout):
+        if accumulation_modelled(layout):
             accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
             steps = search.layout_estimate(accumulating, layout)
             while micro > 0 and not budget.fits(steps.evaluate(micro).report):
@@ -282,12 +282,6 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     tokens = micro * accumulation * layout.dp * setup.seq_len
     outcome.tokens_per_second = tokens / outcome.time.total_s
     return outcome
-
-
-def _accumulation_modelled(layout: Layout) -> bool:
-    """Gradient accumulation's memory is traced for one GPU, DDP and ZeroRedundancyOptimizer (see
-    strategies/layout.py prepare)."""
-    return layout.tp == 1 and layout.engine == "fsdp" and layout.zero <= 1
 
 
 def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:

@@ -29,7 +29,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.rewrite import Point, Rewrite, unit_windows
+from strategies.rewrite import Point, Rewrite, micro_steps, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
 from tracer.modules import enclosing_block
@@ -108,7 +108,7 @@ class _Fsdp:
         self.units: dict[str, list[str]] = {block: [] for block in step.structure.blocks} | {ROOT: []}
         for name in self.params:
             self.units[self._unit_of(name)].append(name)
-        self.windows = unit_windows(step, {unit: (unit,) for unit in step.structure.blocks} | {ROOT: ("",)})
+        self.paths = {unit: (unit,) for unit in step.structure.blocks} | {ROOT: ("",)}
         self.shards = {name: Dim0Shard(row.shape, plan.world) for name, row in self.params.items()}
         self.compute = {name: element_size(row.dtype) for name, row in self.params.items()}
         self.grads: dict[str, list[StorageRow]] = defaultdict(list)
@@ -116,7 +116,15 @@ class _Fsdp:
             if row.role is Role.GRADIENT and row.param in self.params:
                 self.grads[self._unit_of(row.param)].append(row)
         self.trained = {row.param for rows in self.grads.values() for row in rows}
+        # Later micro-steps' gradients, by unit: autograd sets the unsharded parameter's .grad afresh (the
+        # previous one was reduce-scattered), which the trace shows as the tensor added into the gradient.
+        self.accumulated: dict[str, list[StorageRow]] = defaultdict(list)
+        for row in step.storages.values():
+            if row.role is not Role.GRADIENT and row.param in self.trained and step.made_in(row, Phase.BACKWARD):
+                self.accumulated[self._unit_of(row.param)].append(row)
         self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
+        self.reduced: set[str] = set()  # units whose sharded gradients exist (reduced in an earlier micro-step)
+        self.passes = range(0)  # the ops of the micro-step being rewritten
         self.held_reduce_input: int | None = None
 
     def master(self, name: str) -> int:
@@ -135,8 +143,11 @@ class _Fsdp:
 
     def build(self) -> StepGraph:
         self.shard_state()
-        self.forward()
-        self.backward()
+        for passes in micro_steps(self.step):
+            self.passes = passes
+            windows = unit_windows(self.step, self.paths, passes)
+            self.forward(windows)
+            self.backward(windows)
         return self.rw.build()
 
     def shard_state(self) -> None:
@@ -158,10 +169,10 @@ class _Fsdp:
             if self.plan.offload:
                 self.rw.to_host(row.id)
 
-    def forward(self) -> None:
+    def forward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
         held = None
         for unit in (ROOT, *self.step.structure.blocks):
-            first, last = self.windows[unit][Phase.FORWARD]
+            first, last = windows[unit][Phase.FORWARD]
             gather = self.all_gather(unit, self.rw.before(first, "fsdp.all_gather", unit, Phase.FORWARD))
             if held is not None:
                 self.rw.retime(held, last=gather.point)
@@ -172,16 +183,16 @@ class _Fsdp:
             rows = self.copy_out(unit, copy_out, end)
             if not reshards:
                 self.unsharded[unit] = rows
-        root_end = self.windows[ROOT][Phase.FORWARD][1]
+        root_end = windows[ROOT][Phase.FORWARD][1]
         self.rw.retime(held, last=self.rw.after(root_end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
 
-    def backward(self) -> None:
+    def backward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
         """Units that were resharded after forward all-gather again, each prefetching the next; without
         resharding, the parameters are still unsharded and nothing is gathered."""
         order = [ROOT, *reversed(self.step.structure.blocks)]
         prefetched: dict[str, int] = {}
         for position, unit in enumerate(order):
-            first, last = self.windows[unit][Phase.BACKWARD]
+            first, last = windows[unit][Phase.BACKWARD]
             if unit != ROOT and self.plan.reshard_after_forward:
                 copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.BACKWARD)
                 self.rw.retime(prefetched.pop(unit), last=copy_out)
@@ -193,7 +204,7 @@ class _Fsdp:
             if unit != ROOT:
                 self.post_backward(unit, last)
         # The root's post_backward runs in the final callback, which then drops the held reduce-scatter input.
-        end = max(window[Phase.BACKWARD][1] for window in self.windows.values())
+        end = max(window[Phase.BACKWARD][1] for window in windows.values())
         self.post_backward(ROOT, end)
         if self.held_reduce_input is not None:
             finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
@@ -248,11 +259,22 @@ class _Fsdp:
         self.held_reduce_input = rw.add(
             size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {unit or 'root'}", reduce_dtype
         )
+        reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
+        sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
+        if unit in self.reduced:  # a later micro-step: the reduced gradients are added into the sharded ones
+            for row in self.accumulated[unit]:
+                if row.producer in self.passes:
+                    rw.retime(row.id, last=reduce_in)
+            name = f"reduce-scatter output {unit or 'root'}"
+            rw.add(sharded_bytes, Role.GRADIENT, reduce_out, reduce_out, name, reduce_dtype)
+            if self.plan.offload:
+                what = f"sharded gradients of {unit or 'the root'}"
+                rw.transfers.append(Transfer(Phase.BACKWARD, DEVICE_TO_HOST, sharded_bytes, what, ""))
+            return
+        self.reduced.add(unit)
         zero_grad = max((row.freed_after for row in self.grads[unit] if row.freed_after is not None), default=None)
         for row in self.grads[unit]:
             rw.retime(row.id, last=reduce_in)
-        reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
-        sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
         kept_until = None if zero_grad is None else Point(zero_grad, 0)
         sharded = rw.add(
             sharded_bytes, Role.GRADIENT, reduce_out, kept_until, f"sharded gradients {unit or 'root'}", reduce_dtype

@@ -185,6 +185,12 @@ class PreparedLayout:
         return step
 
 
+def accumulation_modelled(layout: Layout) -> bool:
+    """Gradient accumulation is traced through every runtime but DeepSpeed's ZeRO (its gradient partitions
+    and accumulation buffers per micro-step are not modelled)."""
+    return not isinstance(data_parallel(layout), DeepSpeedZero)
+
+
 def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> PreparedLayout:
     """Refuse, before any tracing, a layout this model or step cannot be split into; otherwise the layout's
     runtimes and the step to trace for it."""
@@ -198,10 +204,10 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
         tensor.check(config)
     sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
-    if setup.grad_accum > 1 and sharded:
+    if setup.grad_accum > 1 and not accumulation_modelled(layout):
         raise UserError(
-            "--grad-accum with FSDP, DeepSpeed or tensor parallelism is not modelled yet (only one GPU, DDP and "
-            "--zero 1); estimate one micro-step with --grad-accum 1."
+            "--grad-accum with DeepSpeed ZeRO is not modelled yet (one GPU, DDP, --zero 1, FSDP2 and tensor "
+            "parallelism are); estimate one micro-step with --grad-accum 1."
         )
     if setup.quantize and sharded:
         raise UserError(
@@ -209,7 +215,10 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
             "DeepSpeed and tensor parallelism store them differently."
         )
     if setup.lora and layout.tp > 1:
-        raise UserError("LoRA with tensor parallelism is not modelled: use --tp 1.")
+        raise UserError(
+            "LoRA with tensor parallelism is not modelled: PyTorch's ColwiseParallel and RowwiseParallel accept "
+            "only nn.Linear and nn.Embedding, and peft wraps the projections it adapts. Use --tp 1."
+        )
     if layout.sequence_parallel and setup.seq_len % layout.tp:
         raise UserError(
             f"--sequence-parallel splits the sequence over the {layout.tp} tensor-parallel GPUs: --seq-len "

@@ -137,12 +137,27 @@ def _point(index: int | None) -> Point | None:
     return None if index is None else Point(index, 0)
 
 
-def unit_windows(step: StepGraph, units: dict[str, tuple[str, ...]]) -> dict[str, dict[Phase, tuple[int, int]]]:
+def micro_steps(step: StepGraph) -> list[range]:
+    """The ops of each forward and backward pass (one per micro-step of gradient accumulation): a micro-step
+    begins where a forward op follows a backward one."""
+    starts = [0] + [
+        op.index
+        for previous, op in zip(step.ops, step.ops[1:], strict=False)
+        if previous.phase is Phase.BACKWARD and op.phase is Phase.FORWARD
+    ]
+    ends = [*starts[1:], len(step.ops)]
+    return [range(start, end) for start, end in zip(starts, ends, strict=True)]
+
+
+def unit_windows(
+    step: StepGraph, units: dict[str, tuple[str, ...]], ops: range | None = None
+) -> dict[str, dict[Phase, tuple[int, int]]]:
     """For each unit (a name and the module paths it owns), the first and last op of its forward and of
-    its backward. Ops of a module belong to the unit owning its longest matching path."""
+    its backward, among ``ops`` (all of the step's by default). Ops of a module belong to the unit owning
+    its longest matching path."""
     owner: dict[str, str] = {}
     windows: dict[str, dict[Phase, list[int]]] = defaultdict(dict)
-    for op in step.ops:
+    for op in step.ops if ops is None else step.ops[ops.start : ops.stop]:
         if op.phase is Phase.OPTIMIZER:
             continue
         unit = owner.get(op.module)

@@ -47,7 +47,7 @@ from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
-from tracer.roles import Role
+from tracer.roles import Phase, Role
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
 from tracer.tracing import as_eager
 from tracer.training import TrainingSetup
@@ -103,12 +103,13 @@ def _peak_of_step(
         if setup.autocast_dtype is not None:
             step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
         batch = make_batch(model.config, setup, "cpu")
+        micro_steps = setup.grad_accum
         with context():
-            step.run(batch)
-            step.run(batch)
+            step.run(batch, micro_steps=micro_steps)
+            step.run(batch, micro_steps=micro_steps)
             tracker = _tracker(net, step.optimizer, batch)
             with tracker:
-                step.run(batch)
+                step.run(batch, partial(_new_pass, tracker), micro_steps)
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
@@ -120,6 +121,13 @@ def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTrac
         tracker = MemTracker()
         tracker.track_external(net, optimizer, batch.input_ids, batch.labels)
     return tracker
+
+
+def _new_pass(tracker: MemTracker, phase: Phase) -> None:
+    """FSDPMemTracker refuses a second forward through a module it has stats for; its module stats are
+    dropped before each micro-step's forward (the peak it reports is kept)."""
+    if phase is Phase.FORWARD:
+        tracker.reset_mod_stats()
 
 
 def _reshard(after_forward: bool) -> bool | None:

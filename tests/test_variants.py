@@ -178,12 +178,19 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
         ),
         (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
         (Layout(gpus=4), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=3), {"grad_accum": 2}),
+        (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "grad_accum": 2}),
+        (Layout(gpus=2, tp=2), {"grad_accum": 2}),
+        (Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_accum": 2, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
     ],
     ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
 )
-def test_lora_composes_where_the_peak_is_in_backward(layout, options):
-    """FSDP2 reduce-scatters only the gradients that exist (the adapters'), and its MixedPrecisionPolicy
-    computes the adapters in the low dtype too (peft keeps them fp32 only in a low-precision model)."""
+def test_compositions_where_the_peak_is_in_backward(layout, options):
+    """FSDP2 reduce-scatters only the gradients that exist (the adapters'), its MixedPrecisionPolicy computes
+    the adapters in the low dtype too (peft keeps them fp32 only in a low-precision model), and with
+    gradient accumulation it reduce-scatters every micro-step and adds into the sharded gradients."""
     model = tiny_model("llama", **BACKWARD_PEAK)
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
     runtime = runtime_peak(model, setup, layout, Rank())

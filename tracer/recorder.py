@@ -48,6 +48,7 @@ class StepRecorder(TorchDispatchMode):
         self._live: dict[int, int] = {}  # StorageImpl address -> storage id, for storages alive now
         self._finalizers: dict[int, weakref.ref] = {}
         self._params: dict[str, torch.Tensor] = {}
+        self._gradients: dict[int, str] = {}  # storage id of each existing .grad -> its parameter, in backward
         self._paused = False
 
     def track_existing(
@@ -90,6 +91,12 @@ class StepRecorder(TorchDispatchMode):
                 storage = self.storages[storage_id]
                 if storage.created_at is not None and storage.role is Role.TEMPORARY:
                     storage.role = Role.ACTIVATION
+        if phase is Phase.BACKWARD:
+            self._gradients = {
+                self._storage_of(param.grad, created_at=len(self.ops) - 1).id: name
+                for name, param in self._params.items()
+                if param.grad is not None
+            }
         if phase is Phase.OPTIMIZER:
             for name, param in self._params.items():
                 if param.grad is not None:
@@ -122,6 +129,8 @@ class StepRecorder(TorchDispatchMode):
         outputs = self._ids(written, index)
         if self.phase is Phase.OPTIMIZER:
             self._inherit_lineage(func, args, out, index)
+        elif self._gradients and func is torch.ops.aten.add_.Tensor and inputs[0] in self._gradients:
+            self._mark_accumulated(inputs)
         recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
         count_flops = flop_registry.get(func._overloadpacket)
         flops = count_flops(*args, **(kwargs or {}), out_val=out) if count_flops else 0
@@ -139,6 +148,13 @@ class StepRecorder(TorchDispatchMode):
             )
         )
         return out
+
+    def _mark_accumulated(self, inputs: tuple[int, ...]) -> None:
+        """A later micro-step's gradient, which autograd adds into the existing ``.grad``
+        (``AccumulateGrad``: ``variable_grad += new_grad``), belongs to that gradient's parameter: runtimes
+        that take each micro-step's gradients away (FSDP's reduce-scatter) hold it instead."""
+        if len(inputs) > 1 and self.storages[inputs[1]].param is None:
+            self.storages[inputs[1]].param = self._gradients[inputs[0]]
 
     def _inherit_lineage(self, func, args, out, index: int) -> None:
         """Give storages an optimizer op creates the parameter of the input they derive from: element k of
