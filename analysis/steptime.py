@@ -82,9 +82,10 @@ def step_time(
     """``single``: the traced single-GPU step at the micro-batch (for the parameter, gradient and activation
     sizes the collectives move); ``rank_step``: the busiest rank's step (its ops and host transfers)."""
     gpu = cluster.gpu
-    phases = _phase_seconds(rank_step, gpu, compute_dtype)
-    forward = phases[Phase.FORWARD] / layout.tp
-    backward = phases[Phase.BACKWARD] / layout.tp
+    phases = _phase_seconds(rank_step, gpu, compute_dtype, micro_steps)
+    traced_passes = len(rank_step.micro_steps())
+    forward = phases[Phase.FORWARD] / layout.tp / micro_steps
+    backward = phases[Phase.BACKWARD] / layout.tp / micro_steps
     optimizer = phases[Phase.OPTIMIZER] / layout.tp / (layout.dp if layout.zero else 1)
     if layout.offload:
         optimizer = _optimizer_bytes(rank_step) / layout.tp / layout.dp / (cluster.host_optimizer_gbps * 1e9)
@@ -125,7 +126,8 @@ def step_time(
             once = reduce_scatter * reductions + gather
             communication += once
 
-    host_micro, host_once = _exposed_transfers(rank_step, cluster, {Phase.FORWARD: forward, Phase.BACKWARD: backward})
+    phase_seconds = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
+    host_micro, host_once = _exposed_transfers(rank_step, cluster, phase_seconds, traced_passes)
     host = micro_steps * host_micro + host_once
     total = micro_steps * (micro_forward + micro_backward + tensor) + optimizer + once + host
     compute = micro_steps * (forward + backward) + optimizer
@@ -174,12 +176,19 @@ def _hidden_state_bytes(single: StepGraph) -> int:
     return max((row.nbytes for row in produced), default=0)
 
 
-def _phase_seconds(step: StepGraph, gpu: Gpu, compute_dtype: str) -> dict[Phase, float]:
+def _phase_seconds(step: StepGraph, gpu: Gpu, compute_dtype: str, micro_steps: int) -> dict[Phase, float]:
+    """Seconds of each phase over ``micro_steps`` forward and backward passes and one optimizer step. Each
+    traced pass counts once, and the last one also stands for every pass not traced (a later micro-step
+    also adds its gradients into the existing ones)."""
     flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
     bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     seconds = dict.fromkeys(Phase, 0.0)
-    for op in step.ops:
-        seconds[op.phase] += max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second)
+    passes = step.micro_steps()
+    for position, ops in enumerate(passes):
+        repeats = max(micro_steps - len(passes) + 1, 1) if position == len(passes) - 1 else 1
+        for op in step.ops[ops.start : ops.stop]:
+            op_seconds = max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second)
+            seconds[op.phase] += op_seconds * (1 if op.phase is Phase.OPTIMIZER else repeats)
     return seconds
 
 
@@ -191,9 +200,12 @@ def _overlapped(compute: float, communication: float, units: int) -> float:
     return max(compute, communication) + communication / units
 
 
-def _exposed_transfers(step: StepGraph, cluster: Cluster, phase_seconds: dict[Phase, float]) -> tuple[float, float]:
-    """Seconds of host copies the GPU waits for, per micro-step (forward and backward) and once per step (the
-    optimizer's): copies that overlap nothing, and what of the prefetched ones their phase does not cover."""
+def _exposed_transfers(
+    step: StepGraph, cluster: Cluster, phase_seconds: dict[Phase, float], traced_passes: int
+) -> tuple[float, float]:
+    """Seconds of host copies the GPU waits for, per micro-step (forward and backward; the traced passes'
+    mean) and once per step (the optimizer's): copies that overlap nothing, and what of the prefetched ones
+    their phase does not cover."""
     link = cluster.pcie_gbps * 1e9
     per_micro_step, once = 0.0, 0.0
     overlapped: dict[Phase, float] = {}
@@ -202,8 +214,8 @@ def _exposed_transfers(step: StepGraph, cluster: Cluster, phase_seconds: dict[Ph
         if transfer.phase not in phase_seconds:
             once += seconds
         elif transfer.overlaps:
-            overlapped[transfer.phase] = overlapped.get(transfer.phase, 0.0) + seconds
+            overlapped[transfer.phase] = overlapped.get(transfer.phase, 0.0) + seconds / traced_passes
         else:
-            per_micro_step += seconds
+            per_micro_step += seconds / traced_passes
     hidden_not = sum(max(0.0, seconds - phase_seconds[phase]) for phase, seconds in overlapped.items())
     return per_micro_step + hidden_not, once

@@ -29,7 +29,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.rewrite import Point, Rewrite, micro_steps, unit_windows
+from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
 from tracer.modules import enclosing_block
@@ -143,7 +143,7 @@ class _Fsdp:
 
     def build(self) -> StepGraph:
         self.shard_state()
-        for passes in micro_steps(self.step):
+        for passes in self.step.micro_steps():
             self.passes = passes
             windows = unit_windows(self.step, self.paths, passes)
             self.forward(windows)

@@ -137,18 +137,6 @@ def _point(index: int | None) -> Point | None:
     return None if index is None else Point(index, 0)
 
 
-def micro_steps(step: StepGraph) -> list[range]:
-    """The ops of each forward and backward pass (one per micro-step of gradient accumulation): a micro-step
-    begins where a forward op follows a backward one."""
-    starts = [0] + [
-        op.index
-        for previous, op in zip(step.ops, step.ops[1:], strict=False)
-        if previous.phase is Phase.BACKWARD and op.phase is Phase.FORWARD
-    ]
-    ends = [*starts[1:], len(step.ops)]
-    return [range(start, end) for start, end in zip(starts, ends, strict=True)]
-
-
 def unit_windows(
     step: StepGraph, units: dict[str, tuple[str, ...]], ops: range | None = None
 ) -> dict[str, dict[Phase, tuple[int, int]]]:

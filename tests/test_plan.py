@@ -13,8 +13,9 @@ from analysis.budget import MemoryBudget
 from analysis.cli import main
 from analysis.estimate import analyze
 from analysis.plan import Candidate, plan
-from analysis.steptime import Cluster
-from strategies.layout import Layout, prepare
+from analysis.steptime import Cluster, step_time
+from strategies.layout import Layout, Rank, prepare
+from tracer import tracing
 from tracer.gpus import find_gpu
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
@@ -82,6 +83,32 @@ def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
         assert outcome.time.total_s > 0
     speeds = [o.tokens_per_second for o in fitting]
     assert speeds == sorted(speeds, reverse=True)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(gpus=4), Layout(gpus=4, zero=1), Layout(gpus=4, zero=3)])
+def test_accumulated_step_time_is_its_micro_steps_plus_one_optimizer_step(layout, monkeypatch):
+    """Two traced micro-steps stand for K: the step time from them equals the one from a trace of all K
+    micro-steps (each timed op by op), and its compute is K forward and backward passes plus one optimizer
+    step."""
+    model = tiny_model("llama")
+    cluster = Cluster(find_gpu("h100"))
+
+    def timed(accumulation: int):
+        setup = dataclasses.replace(SETUP, batch_size=2, grad_accum=accumulation)
+        prepared = prepare(layout, setup, model.config)
+        single = build_graph(trace_step(model, prepared.traced))
+        rank_step = prepared.rank_step(single, Rank())
+        return step_time(single, rank_step, layout, cluster, "bfloat16", accumulation), rank_step
+
+    extrapolated, _ = timed(4)
+    with monkeypatch.context() as patched:
+        patched.setattr(tracing, "traced_micro_steps", lambda setup: setup.grad_accum)
+        every_pass, traced = timed(4)
+    assert len(traced.micro_steps()) == 4
+    for field in ("forward_s", "backward_s", "optimizer_s", "communication_s", "total_s"):
+        assert getattr(extrapolated, field) == pytest.approx(getattr(every_pass, field), rel=1e-12), field
+    compute = 4 * (every_pass.forward_s + every_pass.backward_s) + every_pass.optimizer_s
+    assert every_pass.total_s - every_pass.exposed_communication_s == pytest.approx(compute, rel=1e-12)
 
 
 def test_nothing_fits_names_a_change_that_would():

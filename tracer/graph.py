@@ -71,6 +71,17 @@ class StepGraph:
         """Whether the storage was created by an op of ``phase`` (False if it existed before the step)."""
         return row.producer is not None and self.ops[row.producer].phase is phase
 
+    def micro_steps(self) -> list[range]:
+        """The ops of each forward and backward pass (one per micro-step of gradient accumulation; the
+        optimizer's ops are in the last range): a micro-step begins where a forward op follows a backward one."""
+        starts = [0] + [
+            op.index
+            for previous, op in zip(self.ops, self.ops[1:], strict=False)
+            if previous.phase is Phase.BACKWARD and op.phase is Phase.FORWARD
+        ]
+        ends = [*starts[1:], len(self.ops)]
+        return [range(start, end) for start, end in zip(starts, ends, strict=True)]
+
     @cached_property
     def graph(self) -> nx.DiGraph:
         """Node = op index; edge producer -> consumer, with the storage ids it passes. Built when first asked
