@@ -253,6 +253,14 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-accum", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation, default 1)"
     )
+    group.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="your loop keeps the model's outputs through backward (outputs = model(**batch); "
+        "loss = outputs.loss, as accelerate's examples do): the logits and the key/value cache transformers "
+        "returns in training live until the next forward returns. Default: dropped before backward, as the "
+        "HF Trainer does",
+    )
     group.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank (peft); default: off")
     group.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default 16)")
     group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
@@ -539,6 +547,7 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         lora=lora,
         quantize=quantize,
         grad_accum=args.grad_accum,
+        keep_outputs=args.keep_outputs,
         optimizer_impl=args.optimizer_impl,
         pcie_gbps=getattr(args, "pcie_gbps", PCIE_4_X16_GBPS),
         **inference,

@@ -83,7 +83,9 @@ def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult
     optimizer = build_optimizer(net, setup, foreach=None)
     autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
     scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
-    step = TrainingStep(net, optimizer, scaler=scaler, **({"autocast": autocast} if autocast else {}))
+    step = TrainingStep(
+        net, optimizer, scaler=scaler, keep_outputs=setup.keep_outputs, **({"autocast": autocast} if autocast else {})
+    )
     micro_steps = setup.grad_accum
     if not any(_stepped(lambda: step.run(batch, micro_steps=micro_steps), scaler) for _ in range(MAX_SKIPPED_STEPS)):
         raise UserError(_SKIPPED_MESSAGE)

@@ -133,6 +133,7 @@ def test_four_bit_storage_follows_the_documented_layout():
         ({"lora": LoraSetup()}, "training only"),
         ({"mixed_precision": "bf16"}, "--dtype bf16"),
         ({"grad_accum": 2}, "training only"),
+        ({"keep_outputs": True}, "--keep-outputs: training only"),
         ({"max_new_tokens": 0}, "--max-new-tokens"),
         ({"logits_to_keep": -1}, "--logits-to-keep"),
         ({"quantize": "nf4"}, "--quantize computes in --dtype bf16"),

@@ -64,6 +64,16 @@ def test_gradient_accumulation(family, micro_steps):
     _check(family, grad_accum=micro_steps)
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"mixed_precision": "bf16"}, {"grad_checkpointing": "full"}, {"grad_accum": 2}]
+)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_loop_that_keeps_its_outputs(family, options):
+    """``outputs = model(**batch)`` held until the next forward returns: the previous step's logits and key/value
+    cache live into this step's forward, and this step's through backward."""
+    _check(family, keep_outputs=True, **options)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_adafactor(family):
     _check(family, optimizer="adafactor")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
+from transformers.cache_utils import Cache
+from transformers.utils import ModelOutput
 
 from tracer.recorder import StepRecorder
 from tracer.roles import Role
@@ -33,3 +37,18 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
                 )
     recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
     recorder.track_existing(batch.labels, Role.INPUT, "labels")
+    if step.kept_outputs is not None:
+        for name, tensor in _output_tensors(step.kept_outputs):
+            recorder.track_existing(tensor, Role.ACTIVATION, f"previous step's outputs: {name}")
+
+
+def _output_tensors(outputs: ModelOutput) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a model's outputs hold: loss and logits, and each cache layer's keys and values."""
+    for key, value in outputs.items():
+        if isinstance(value, torch.Tensor):
+            yield key, value
+        elif isinstance(value, Cache):
+            for index, layer in enumerate(value.layers):
+                for attribute, tensor in vars(layer).items():
+                    if isinstance(tensor, torch.Tensor):
+                        yield f"{key}.layers.{index}.{attribute}", tensor

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.utils import ModelOutput
 
 from tracer.checkpointing import enable_checkpointing
 from tracer.errors import UserError
@@ -101,19 +102,29 @@ OnPhase = Callable[[Phase], None]
 @dataclass
 class TrainingStep:
     """``loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step();
-    optimizer.zero_grad(set_to_none=True)``; with a gradient scaler for fp16 mixed precision."""
+    optimizer.zero_grad(set_to_none=True)``; with a gradient scaler for fp16 mixed precision.
+
+    ``keep_outputs``: the loop holds the model's outputs (``outputs = model(**batch)``, as accelerate's
+    examples write it) until the next forward returns new ones, so the logits, and the key/value cache
+    transformers returns in training without checkpointing, live through backward and the optimizer step
+    into the next step's forward. The Trainer drops them before backward."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     autocast: Callable[[], AbstractContextManager] = nullcontext
     scaler: torch.amp.GradScaler | None = None
+    keep_outputs: bool = False
+    kept_outputs: ModelOutput | None = None
 
     def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None, micro_steps: int = 1) -> None:
         """One optimizer step after ``micro_steps`` forward and backward passes (gradient accumulation)."""
         for _ in range(micro_steps):
             on_phase(Phase.FORWARD)
             with self.autocast():
-                loss = self.model(batch.input_ids, labels=batch.labels).loss
+                outputs = self.model(batch.input_ids, labels=batch.labels)
+            loss = outputs.loss
+            self.kept_outputs = outputs if self.keep_outputs else None
+            del outputs
             if micro_steps > 1:
                 loss = loss / micro_steps
             on_phase(Phase.BACKWARD)
@@ -126,9 +137,13 @@ class TrainingStep:
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def prime(self) -> None:
+    def prime(self, batch: Batch) -> None:
         """Reach the steady state without running the model: one optimizer step on zero gradients creates
-        the optimizer state (and the GradScaler's scale) exactly as a first real step would."""
+        the optimizer state (and the GradScaler's scale) exactly as a first real step would; a loop that keeps
+        its outputs holds the previous step's, which a forward without autograd makes."""
+        if self.keep_outputs:
+            with torch.no_grad(), self.autocast():
+                self.kept_outputs = self.model(batch.input_ids, labels=batch.labels)
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
             param.grad = torch.zeros_like(param)

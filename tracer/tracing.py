@@ -67,9 +67,10 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
                 optimizer,
                 autocast=_autocast(setup, emulation),
                 scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
+                keep_outputs=setup.keep_outputs,
             )
         with _op_errors():
-            step.prime()
+            step.prime(batch)
         blocks = len(decoder_blocks(net))
 
         def on_block(index: int) -> None:  # blocks run in order, and in reverse in backward
@@ -137,12 +138,17 @@ def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, 
     implementation = ", ".join(
         f"{key}={optimizer.defaults[key]}" for key in ("foreach", "fused", "momentum") if optimizer.defaults.get(key)
     )
+    forward = (
+        "outputs = model(input_ids, labels=labels); loss = outputs.loss"
+        if setup.keep_outputs
+        else ("loss = model(input_ids, labels=labels).loss")
+    )
     return {
-        "step": "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
-        "optimizer.zero_grad(set_to_none=True)"
+        "step": f"{forward}; loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)"
         + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else "")
         + (f"; {setup.grad_accum} micro-steps per optimizer step" if setup.grad_accum > 1 else ""),
-        "state": "steady state: optimizer states exist before the step; gradients are freed at its end",
+        "state": "steady state: optimizer states exist before the step; gradients are freed at its end"
+        + ("; the previous step's outputs are held until the forward returns new ones" if setup.keep_outputs else ""),
         "optimizer_implementation": f"{kind.__module__}.{kind.__name__}"
         + (f", {implementation}" if implementation else ""),
         "kv_cache_in_forward": bool(getattr(config, "use_cache", False)),

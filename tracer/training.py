@@ -81,6 +81,7 @@ class TrainingSetup:
     lora: LoraSetup | None = None
     quantize: str | None = None
     grad_accum: int = 1
+    keep_outputs: bool = False  # the loop holds the model's outputs until the next forward (tracer/step.py)
     optimizer_impl: str | None = None  # None: torch's default for the device
     pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
     mode: str = "train"
@@ -148,6 +149,7 @@ class TrainingSetup:
             "--grad-checkpointing": self.grad_checkpointing,
             "--lora-r": self.lora,
             "--grad-accum": self.grad_accum > 1,
+            "--keep-outputs": self.keep_outputs,
             "--optimizer-impl": self.optimizer_impl,
         }
         used = [flag for flag, value in training_only.items() if value]

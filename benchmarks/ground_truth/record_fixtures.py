@@ -58,7 +58,7 @@ def trace_on_cuda(family: str, setup: TrainingSetup) -> Trace:
         autocast = partial(torch.autocast, "cuda", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
         optimizer = build_optimizer(net, setup, foreach=None)
         step = TrainingStep(net, optimizer, **({"autocast": autocast} if autocast else {}))
-        step.prime()
+        step.prime(batch)
         recorder = StepRecorder(ModuleScope(net), device_type="cuda")
         register_baseline(recorder, step, batch, step_counters_on_host=True)
         with recorder.recording():
