@@ -34,6 +34,29 @@ class MemoryBudget:
     def shortfall_bytes(self, report: MemoryReport) -> int:
         return self.needed_bytes(report) - self.usable_bytes
 
+    def verdict(self, report: MemoryReport, gpu_description: str) -> str:
+        """One line: whether the step fits, by how much, and what the margin is for."""
+        needed, usable = self.needed_bytes(report), self.usable_bytes
+        what = "reserved memory + CUDA context" if report.device_total_bytes is not None else "peak allocated memory"
+        if needed <= usable:
+            head = f"Fits the {gpu_description}: {format_bytes(usable - needed)} to spare"
+        else:
+            head = f"Does not fit the {gpu_description}: {format_bytes(needed - usable)} over"
+        return (
+            f"{head} ({what} {format_bytes(needed)} against {format_bytes(usable)}, "
+            f"{100 - 100 * self.margin:g}% of its {format_bytes(self.capacity_bytes)}; the "
+            f"{100 * self.margin:g}% left covers NCCL's buffers, side-stream pools and the estimate's error)"
+        )
+
+    def to_json(self, report: MemoryReport) -> dict[str, int | bool | float]:
+        return {
+            "fits": self.fits(report),
+            "needed_bytes": self.needed_bytes(report),
+            "usable_bytes": self.usable_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "margin": self.margin,
+        }
+
     def describe(self) -> str:
         return (
             f"reserved memory + CUDA context <= {format_bytes(self.usable_bytes)} "

@@ -576,6 +576,7 @@ def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
+    from analysis.budget import MemoryBudget
     from analysis.modules import module_table, render_module_table
     from analysis.report import render_text
     from tracer.gpus import find_gpu
@@ -592,11 +593,13 @@ def _run_analyze(args: argparse.Namespace) -> int:
     result = _estimate(args, model, setup, layout)
     report = result.report
     table = module_table(result.step, report.peak_op_index, args.by_module) if args.by_module else None
+    budget = MemoryBudget(gpu.memory_bytes) if setup.target is Target.CUDA else None
     if args.json:
-        data = report.to_json() | ({"by_module": table} if table else {})
-        print(json.dumps(data, indent=2))
+        fit = {"fit": budget.to_json(report)} if budget else {}
+        print(json.dumps(report.to_json() | fit | ({"by_module": table} if table else {}), indent=2))
     else:
-        print(render_text(report) + (f"\n\n{render_module_table(table)}" if table else ""))
+        verdict = budget.verdict(report, gpu.description) if budget else None
+        print(render_text(report, verdict) + (f"\n\n{render_module_table(table)}" if table else ""))
     return 0
 
 

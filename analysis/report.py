@@ -225,7 +225,8 @@ def _ranks_table(report: MemoryReport) -> str:
     return tabulate(rows, headers=headers, colalign=("right", "right", "right"))
 
 
-def render_text(report: MemoryReport) -> str:
+def render_text(report: MemoryReport, verdict: str | None = None) -> str:
+    """The report as text; ``verdict`` (whether it fits the GPU, analysis/budget.py) follows the peak."""
     where = report.peak_module or "(model top level)"
     title = "Estimated" if report.kind == "estimate" else "Measured"
     layout = report.layout
@@ -251,6 +252,7 @@ def render_text(report: MemoryReport) -> str:
         f"{report.op_count:,})",
         "  per phase: " + ", ".join(f"{phase} {format_bytes(value)}" for phase, value in report.phase_peaks.items()),
         *_device_lines(report),
+        *([verdict] if verdict else []),
         "",
         "Breakdown at the peak:",
     ]

@@ -10,6 +10,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from analysis.budget import MemoryBudget
 from analysis.estimate import analyze
 from analysis.report import MemoryReport
 from strategies.layout import Layout
@@ -22,10 +23,6 @@ from tracer.units import format_bytes
 # --sweep axis name -> the TrainingSetup field it sets
 AXES = {"batch": "batch_size", "seq-len": "seq_len", "max-new-tokens": "max_new_tokens"}
 _ALIASES = {"batch-size": "batch"}
-# Share of the GPU's memory kept free when deciding what fits: max_memory_allocated leaves out the caching
-# allocator's reserved-but-unallocated blocks and the CUDA context, and torch reports a little less total
-# memory than the vendor's nominal capacity.
-FIT_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -41,11 +38,12 @@ class Sweep:
     gpu: Gpu | None  # None: no GPU to fit (--target cpu)
 
     @property
-    def usable_bytes(self) -> int:
-        return int(self.gpu.memory_bytes * (1 - FIT_MARGIN)) if self.gpu else 0
+    def budget(self) -> MemoryBudget | None:
+        """The planner's rule (analysis/budget.py): reserved memory plus the CUDA context against the GPU."""
+        return MemoryBudget(self.gpu.memory_bytes) if self.gpu else None
 
     def fits(self, point: SweepPoint) -> bool:
-        return point.report.peak_bytes <= self.usable_bytes
+        return self.budget is not None and self.budget.fits(point.report)
 
     def largest_fitting(self, axis: str) -> list[tuple[dict[str, int], int | None]]:
         """For every combination of the other axes, the largest swept value of ``axis`` that fits."""
@@ -112,12 +110,12 @@ def render_sweep(sweep: Sweep, model_id: str) -> str:
         row = [*point.values.values(), format_bytes(report.peak_bytes), report.peak_phase]
         if inference:
             row.append(format_bytes(report.breakdown.get("kv_cache", 0)))
-        if sweep.gpu:
-            row.append("yes" if sweep.fits(point) else "no")
+        if sweep.budget:
+            row += [format_bytes(sweep.budget.needed_bytes(report)), "yes" if sweep.fits(point) else "no"]
         rows.append(row)
     lines = [f"{model_id}: {what}, estimated peak allocated memory on {scope}", ""]
     if sweep.gpu:
-        headers.append(f"fits {sweep.gpu.name}")
+        headers += ["GPU memory", f"fits {sweep.gpu.name}"]
     lines.append(tabulate(rows, headers=headers, colalign=("right",) * len(sweep.axes)))
     if sweep.gpu:
         lines += ["", *_fit_lines(sweep)]
@@ -126,17 +124,18 @@ def render_sweep(sweep: Sweep, model_id: str) -> str:
 
 def _fit_lines(sweep: Sweep) -> list[str]:
     gpu = sweep.gpu
-    lines = [
-        f"Fits: a peak of at most {format_bytes(sweep.usable_bytes)}, {100 - 100 * FIT_MARGIN:.0f}% of the "
-        f"{gpu.description}'s {gpu.memory_gib:g} GiB;",
-        "  the rest is left for the allocator's cache, fragmentation and the CUDA context (not in the peak).",
-    ]
+    lines = [f"Fits the {gpu.description}: {sweep.budget.describe()}"]
     for axis in sweep.axes:
         if len(sweep.axes[axis]) < 2:
             continue
         for others, value in sweep.largest_fitting(axis):
             where = ", ".join(f"{name} {number:,}" for name, number in others.items())
-            found = f"{value:,}" if value is not None else f"none of {', '.join(map(str, sweep.axes[axis]))}"
+            if value is None:
+                found = f"none of {', '.join(map(str, sweep.axes[axis]))}"
+            else:
+                found = f"{value:,}" + (
+                    " (the largest tried: try larger values)" if value == max(sweep.axes[axis]) else ""
+                )
             lines.append(f"  largest {axis} that fits{' at ' + where if where else ''}: {found}")
     return lines
 
@@ -145,7 +144,7 @@ def sweep_json(sweep: Sweep) -> dict[str, Any]:
     return {
         "axes": {name: list(values) for name, values in sweep.axes.items()},
         "gpu": sweep.gpu.name if sweep.gpu else None,
-        "usable_bytes": sweep.usable_bytes if sweep.gpu else None,
+        "usable_bytes": sweep.budget.usable_bytes if sweep.budget else None,
         "points": [
             {**point.values, "fits": sweep.fits(point) if sweep.gpu else None, **point.report.to_json()}
             for point in sweep.points

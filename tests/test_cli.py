@@ -59,6 +59,20 @@ def test_analyze_text_report(tmp_path, capsys):
     assert err.rstrip().endswith("s.") and "Traced one training step" in err
 
 
+@pytest.mark.parametrize(("gpu", "batch", "fits"), [("h100", 1, True), ("t4", 32, False)])
+def test_analyze_says_whether_the_step_fits(capsys, gpu, batch, fits):
+    """The verdict follows the planner's rule: reserved memory plus the CUDA context against the GPU less
+    the margin."""
+    argv = ["analyze", "gpt2", "--gpu", gpu, "--batch-size", str(batch), "--seq-len", "1024", "--quiet"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    fit = data["fit"]
+    assert fit["needed_bytes"] == data["device_total_bytes"]
+    assert fit["fits"] is fits is (fit["needed_bytes"] <= fit["usable_bytes"])
+    assert main(argv) == 0
+    assert ("Fits the" if fits else "Does not fit the") in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flag", ["--quiet", "--json"])
 def test_progress_is_silent_with_quiet_or_json(tmp_path, capsys, flag):
     code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "32", flag)

@@ -178,9 +178,9 @@ def test_sweep_table_marks_what_fits(capsys, tmp_path):
 
 
 def test_sweep_reports_none_that_fits(monkeypatch, capsys):
-    import analysis.sweep
+    import analysis.budget
 
-    monkeypatch.setattr(analysis.sweep, "FIT_MARGIN", 1.0)  # nothing fits in no memory
+    monkeypatch.setattr(analysis.budget.MemoryBudget, "usable_bytes", 0)  # nothing fits in no memory
     assert main(["analyze", "gpt2", "--mode", "inference", "--quiet", "--sweep", "batch=1,2"]) == 0
     assert "largest batch that fits: none of 1, 2" in capsys.readouterr().out
 

@@ -27,8 +27,9 @@ class InferenceStep:
     setup: TrainingSetup
     optimizer: None = None
     scaler: None = None
+    kept_outputs: None = None
 
-    def prime(self) -> None:
+    def prime(self, batch: Batch) -> None:
         """Nothing persists from one generation to the next."""
 
     @torch.no_grad()
