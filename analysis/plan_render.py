@@ -31,7 +31,7 @@ def render_plan(plan: Plan) -> str:
         f"Step time: a roofline per traced op at {COMPUTE_EFFICIENCY:.0%} of peak FLOP/s and "
         f"{MEMORY_EFFICIENCY:.0%} of memory bandwidth, plus collectives at {NETWORK_EFFICIENCY:.0%} of "
         f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
-        "between nodes), overlapped as each runtime overlaps them (README: the step-time model).",
+        "between nodes), overlapped as each runtime overlaps them (docs/how-it-works.md: the step-time model).",
     ]
     if numbers:
         lines[4:4] = ["", *(f"[{number}] {note}" for note, number in numbers.items())]

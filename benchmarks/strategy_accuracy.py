@@ -28,11 +28,13 @@ from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
-from tracer.training import Target, TrainingSetup
+from tracer.training import LoraSetup, Target, TrainingSetup
 
 SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
 WIDE = {"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 6}  # several DDP buckets
 UNEVEN = {"vocab_size": 250}  # rows that do not split evenly
+# Eight layers and a vocabulary of 32: the peak falls in backward, where gradients and gradient buffers live.
+BACKWARD_PEAK = SPLITTABLE | {"num_hidden_layers": 8, "vocab_size": 32}
 
 
 def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
@@ -62,6 +64,22 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
     found.append(("gemma2", Layout(gpus=4, tp=2, zero=3, tp_output="gathered"), Rank(1, 1), SPLITTABLE, {}))
     found.append(("gpt_neox", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), SPLITTABLE, {}))
     found.append(("llama", Layout(gpus=4, tp=2, zero=3, sequence_parallel=True), Rank(1, 1), SPLITTABLE, {}))
+    adapters = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
+    for layout, options in (
+        (Layout(gpus=4, zero=3), {"lora": adapters}),
+        (Layout(gpus=4, zero=3), {"lora": adapters, "mixed_precision": "bf16"}),
+        (Layout(gpus=4, zero=3), {"lora": adapters, "grad_checkpointing": "full", "reentrant": True}),
+        (Layout(gpus=4, zero=3), {"lora": adapters, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=2), {"lora": adapters, "mixed_precision": "bf16"}),
+        (Layout(gpus=4), {"lora": adapters, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=3), {"grad_accum": 2}),
+        (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=2), {"lora": adapters, "grad_accum": 2}),
+        (Layout(gpus=2, tp=2), {"grad_accum": 2}),
+        (Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_accum": 2, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
+    ):
+        found.append(("llama", layout, Rank(), BACKWARD_PEAK, options))
     return found
 
 
@@ -84,7 +102,8 @@ def main() -> None:
         predicted = estimate(family, layout, rank, overrides, setup)
         error = (predicted - runtime) / runtime
         errors.append(abs(error))
-        options_text = ", ".join(f"{k}={v}" for k, v in (overrides | options).items() if k != "num_key_value_heads")
+        shown = overrides | options | ({"lora": f"r{options['lora'].r}"} if "lora" in options else {})
+        options_text = ", ".join(f"{k}={v}" for k, v in shown.items() if k != "num_key_value_heads")
         where = f"dp {rank.dp}, tp {rank.tp}"
         rows.append((layout.describe(), family, where, options_text, runtime, predicted, f"{100 * error:+.3f}%"))
     headers = ["layout", "model", "rank", "config", "runtime bytes", "estimate bytes", "error"]

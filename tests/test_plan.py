@@ -53,6 +53,7 @@ def test_batch_line_equals_fresh_traces(family, checkpointing):
                 assert (got.ops, got.storages, got.transfers) == (fresh.ops, fresh.storages, fresh.transfers)
 
 
+@pytest.mark.slow
 def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     """For every layout the planner keeps, ``analyze`` at its micro-batch fits the budget and at one more
     does not (or the micro-batch is the per-rank share of the global batch)."""

@@ -189,11 +189,16 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
         (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
         (Layout(gpus=4), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
         (Layout(gpus=4, zero=3), {"grad_accum": 2}),
-        (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
-        (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "grad_accum": 2}),
-        (Layout(gpus=2, tp=2), {"grad_accum": 2}),
-        (Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_accum": 2, "grad_checkpointing": "full"}),
-        (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
+        *(
+            pytest.param(layout, options, marks=pytest.mark.slow)
+            for layout, options in (
+                (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
+                (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "grad_accum": 2}),
+                (Layout(gpus=2, tp=2), {"grad_accum": 2}),
+                (Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_accum": 2, "grad_checkpointing": "full"}),
+                (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
+            )
+        ),
     ],
     ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
 )
