@@ -23,6 +23,10 @@ class Point(NamedTuple):
 
 
 class Rewrite:
+    """The edits a strategy makes to one step, collected and applied at once by ``build``: inserted ops
+    (collectives, copies, frees) at points relative to the recorded ops, storages resized, retimed, moved to
+    the host or added. The recorded step itself is never changed."""
+
     def __init__(self, step: StepGraph) -> None:
         self.step = step
         self._inserted: dict[Point, Op] = {}

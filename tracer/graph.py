@@ -62,6 +62,10 @@ class Transfer:
 
 @dataclass
 class StepGraph:
+    """One recorded step, the unit every layer passes on: its ops in execution order, the storages they make,
+    read and free (exact bytes, role, lifetime), the model's structure (decoder blocks, embeddings), and the
+    host transfers a strategy adds. Strategies return the StepGraph of one rank; analysis passes read it."""
+
     ops: list[Op]
     storages: dict[int, StorageRow]
     structure: ModelStructure = field(default_factory=ModelStructure)
