@@ -82,8 +82,8 @@ def step_time(
     """``single``: the traced single-GPU step at the micro-batch (for the parameter, gradient and activation
     sizes the collectives move); ``rank_step``: the busiest rank's step (its ops and host transfers)."""
     gpu = cluster.gpu
-    phases = _phase_seconds(rank_step, gpu, compute_dtype, micro_steps)
-    traced_passes = len(rank_step.micro_steps())
+    passes = rank_step.micro_steps()
+    phases = _phase_seconds(rank_step, passes, gpu, compute_dtype, micro_steps)
     forward = phases[Phase.FORWARD] / layout.tp / micro_steps
     backward = phases[Phase.BACKWARD] / layout.tp / micro_steps
     optimizer = phases[Phase.OPTIMIZER] / layout.tp / (layout.dp if layout.zero else 1)
@@ -127,7 +127,7 @@ def step_time(
             communication += once
 
     phase_seconds = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
-    host_micro, host_once = _exposed_transfers(rank_step, cluster, phase_seconds, traced_passes)
+    host_micro, host_once = _exposed_transfers(rank_step, cluster, phase_seconds, len(passes))
     host = micro_steps * host_micro + host_once
     total = micro_steps * (micro_forward + micro_backward + tensor) + optimizer + once + host
     compute = micro_steps * (forward + backward) + optimizer
@@ -176,14 +176,15 @@ def _hidden_state_bytes(single: StepGraph) -> int:
     return max((row.nbytes for row in produced), default=0)
 
 
-def _phase_seconds(step: StepGraph, gpu: Gpu, compute_dtype: str, micro_steps: int) -> dict[Phase, float]:
+def _phase_seconds(
+    step: StepGraph, passes: list[range], gpu: Gpu, compute_dtype: str, micro_steps: int
+) -> dict[Phase, float]:
     """Seconds of each phase over ``micro_steps`` forward and backward passes and one optimizer step. Each
-    traced pass counts once, and the last one also stands for every pass not traced (a later micro-step
-    also adds its gradients into the existing ones)."""
+    traced pass (``passes``, the step's micro-steps) counts once, and the last one also stands for every pass
+    not traced (a later micro-step also adds its gradients into the existing ones)."""
     flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
     bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     seconds = dict.fromkeys(Phase, 0.0)
-    passes = step.micro_steps()
     for position, ops in enumerate(passes):
         repeats = max(micro_steps - len(passes) + 1, 1) if position == len(passes) - 1 else 1
         for op in step.ops[ops.start : ops.stop]:

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from tabulate import tabulate
@@ -37,7 +38,7 @@ class Sweep:
     points: list[SweepPoint]
     gpu: Gpu | None  # None: no GPU to fit (--target cpu)
 
-    @property
+    @cached_property
     def budget(self) -> MemoryBudget | None:
         """The planner's rule (analysis/budget.py): reserved memory plus the CUDA context against the GPU."""
         return MemoryBudget(self.gpu.memory_bytes) if self.gpu else None

@@ -123,8 +123,6 @@ class _Fsdp:
             if row.role is not Role.GRADIENT and row.param in self.trained and step.made_in(row, Phase.BACKWARD):
                 self.accumulated[self._unit_of(row.param)].append(row)
         self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
-        self.reduced: set[str] = set()  # units whose sharded gradients exist (reduced in an earlier micro-step)
-        self.passes = range(0)  # the ops of the micro-step being rewritten
         self.held_reduce_input: int | None = None
 
     def master(self, name: str) -> int:
@@ -144,10 +142,9 @@ class _Fsdp:
     def build(self) -> StepGraph:
         self.shard_state()
         for passes in self.step.micro_steps():
-            self.passes = passes
             windows = unit_windows(self.step, self.paths, passes)
             self.forward(windows)
-            self.backward(windows)
+            self.backward(windows, passes)
         return self.rw.build()
 
     def shard_state(self) -> None:
@@ -186,9 +183,10 @@ class _Fsdp:
         root_end = windows[ROOT][Phase.FORWARD][1]
         self.rw.retime(held, last=self.rw.after(root_end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
 
-    def backward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
+    def backward(self, windows: dict[str, dict[Phase, tuple[int, int]]], passes: range) -> None:
         """Units that were resharded after forward all-gather again, each prefetching the next; without
-        resharding, the parameters are still unsharded and nothing is gathered."""
+        resharding, the parameters are still unsharded and nothing is gathered. ``passes``: the micro-step's
+        ops."""
         order = [ROOT, *reversed(self.step.structure.blocks)]
         prefetched: dict[str, int] = {}
         for position, unit in enumerate(order):
@@ -202,10 +200,10 @@ class _Fsdp:
                 point = self.rw.before(first, "fsdp.all_gather (prefetch)", following, Phase.BACKWARD)
                 prefetched[following] = self.all_gather(following, point).buffer
             if unit != ROOT:
-                self.post_backward(unit, last)
+                self.post_backward(unit, last, passes)
         # The root's post_backward runs in the final callback, which then drops the held reduce-scatter input.
         end = max(window[Phase.BACKWARD][1] for window in windows.values())
-        self.post_backward(ROOT, end)
+        self.post_backward(ROOT, end, passes)
         if self.held_reduce_input is not None:
             finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
             self.rw.retime(self.held_reduce_input, last=finalize)
@@ -242,7 +240,7 @@ class _Fsdp:
             for name in self.units[unit]
         ]
 
-    def post_backward(self, unit: str, last: int) -> None:
+    def post_backward(self, unit: str, last: int, passes: range) -> None:
         rw, names = self.rw, self.units[unit]
         reshard = rw.after(last, "fsdp.reshard", unit, Phase.BACKWARD)
         for storage_id in self.unsharded.pop(unit, []):
@@ -261,9 +259,9 @@ class _Fsdp:
         )
         reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
         sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
-        if unit in self.reduced:  # a later micro-step: the reduced gradients are added into the sharded ones
+        if passes.start > 0:  # a later micro-step: the reduced gradients are added into the sharded ones
             for row in self.accumulated[unit]:
-                if row.producer in self.passes:
+                if row.producer in passes:
                     rw.retime(row.id, last=reduce_in)
             name = f"reduce-scatter output {unit or 'root'}"
             rw.add(sharded_bytes, Role.GRADIENT, reduce_out, reduce_out, name, reduce_dtype)
@@ -271,7 +269,6 @@ class _Fsdp:
                 what = f"sharded gradients of {unit or 'the root'}"
                 rw.transfers.append(Transfer(Phase.BACKWARD, DEVICE_TO_HOST, sharded_bytes, what, ""))
             return
-        self.reduced.add(unit)
         zero_grad = max((row.freed_after for row in self.grads[unit] if row.freed_after is not None), default=None)
         for row in self.grads[unit]:
             rw.retime(row.id, last=reduce_in)
