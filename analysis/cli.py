@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
+from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, rate, share
 from tracer.errors import UserError
 from tracer.gpus import PCIE_4_X16_GBPS
 from tracer.training import (
@@ -30,10 +31,9 @@ EXIT_USER_ERROR = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    _quiet_libraries()
     try:
+        args = _parser().parse_args(argv)
+        _quiet_libraries()
         return args.run(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -41,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m tracer",
         description="Predict the peak GPU memory of fine-tuning a Hugging Face decoder LLM, by tracing one "
         "training step on fake tensors (nothing is allocated, nothing is downloaded).",
@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_layout_arguments(analyze)
     analyze.add_argument(
         "--by-module",
-        type=int,
+        type=count(maximum=64),
         metavar="DEPTH",
         default=None,
         help="also print what each module (its path cut to DEPTH parts, e.g. 3 = model.layers.N) holds at the "
@@ -147,9 +147,14 @@ def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = 
     )
     if not searches_batch:
         parser.add_argument(
-            "--batch-size", type=int, default=defaults.batch_size, help="sequences per step (default 1)"
+            "--batch-size", type=count(), default=defaults.batch_size, help="sequences per step (default 1)"
         )
-    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="tokens per sequence (default 1024)")
+    parser.add_argument(
+        "--seq-len",
+        type=count(maximum=MAX_SEQ_LEN),
+        default=defaults.seq_len,
+        help="tokens per sequence (default 1024)",
+    )
     parser.add_argument(
         "--dtype", choices=DTYPES, default=defaults.dtype, help="dtype of the stored parameters (default fp32)"
     )
@@ -164,7 +169,7 @@ def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = 
     parser.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default=defaults.optimizer,
+        default=None,
         help="torch.optim.AdamW (default), Adam, SGD with momentum 0.9, transformers' Adafactor (as the Trainer "
         "builds it), or bitsandbytes' AdamW8bit",
     )
@@ -218,14 +223,16 @@ def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
         help="train (default): one training step; inference: under no_grad, the prefill of a --seq-len prompt and "
         "the decode step of the last of --max-new-tokens tokens, with a KV cache",
     )
-    group.add_argument("--max-new-tokens", type=int, default=1, help="tokens generated after the prompt (default 1)")
     group.add_argument(
-        "--cache", choices=CACHES, default="dynamic", help="transformers' DynamicCache (default) or StaticCache"
+        "--max-new-tokens", type=count(), default=None, help="tokens generated after the prompt (default 1)"
+    )
+    group.add_argument(
+        "--cache", choices=CACHES, default=None, help="transformers' DynamicCache (default) or StaticCache"
     )
     group.add_argument(
         "--logits-to-keep",
-        type=int,
-        default=0,
+        type=count(minimum=0, maximum=MAX_SEQ_LEN),
+        default=None,
         help="prefill computes the logits of the last N positions only; 0 (default) is the forward's default, all "
         "positions; generate() passes 1 for models that accept it",
     )
@@ -251,7 +258,10 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         "--reentrant", action="store_true", help="with --grad-checkpointing full: use_reentrant=True (default False)"
     )
     group.add_argument(
-        "--grad-accum", type=int, default=1, help="micro-steps per optimizer step (gradient accumulation, default 1)"
+        "--grad-accum",
+        type=count(),
+        default=1,
+        help="micro-steps per optimizer step (gradient accumulation, default 1)",
     )
     group.add_argument(
         "--keep-outputs",
@@ -261,9 +271,11 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         "returns in training live until the next forward returns. Default: dropped before backward, as the "
         "HF Trainer does",
     )
-    group.add_argument("--lora-r", type=int, default=None, help="train LoRA adapters of this rank (peft); default: off")
-    group.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default 16)")
-    group.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    group.add_argument(
+        "--lora-r", type=count(), default=None, help="train LoRA adapters of this rank (peft); default: off"
+    )
+    group.add_argument("--lora-alpha", type=count(), default=None, help="LoRA alpha (default 16)")
+    group.add_argument("--lora-dropout", type=share, default=None, help="LoRA dropout (default 0)")
     group.add_argument(
         "--lora-targets",
         default=None,
@@ -289,10 +301,10 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
     )
-    group.add_argument("--gpus", type=int, default=1, help="total number of GPUs (default 1)")
+    group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
     group.add_argument(
         "--tp",
-        type=int,
+        type=count(),
         default=1,
         help="tensor-parallel degree: Megatron-style column/row-parallel attention and MLP, vocabulary-parallel "
         "embedding and lm_head; must divide --gpus and the attention heads (default 1); the data-parallel "
@@ -330,9 +342,10 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--pcie-gbps",
-        type=float,
-        default=PCIE_4_X16_GBPS,
-        help=f"host link bandwidth each way in GB/s, for transfer times (default {PCIE_4_X16_GBPS}: PCIe 4.0 x16)",
+        type=rate,
+        default=None,
+        help=f"with --offload: host link bandwidth each way in GB/s, for transfer times (default {PCIE_4_X16_GBPS}: "
+        "PCIe 4.0 x16)",
     )
     group.add_argument(
         "--tp-output",
@@ -349,10 +362,10 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     from analysis.steptime import GPUS_PER_NODE, HOST_OPTIMIZER_GBPS, INTERNODE_GBPS
 
     group = parser.add_argument_group("cluster and budget")
-    group.add_argument("--gpus", type=int, default=1, help="total number of GPUs (default 1)")
+    group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
     group.add_argument(
         "--global-batch",
-        type=int,
+        type=count(maximum=MAX_COUNT * 1024),
         default=None,
         help="sequences per optimizer step over all GPUs, reached by gradient accumulation; default: each layout "
         "at its largest micro-batch without accumulation",
@@ -365,50 +378,53 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--margin",
-        type=float,
+        type=share,
         default=DEFAULT_MARGIN,
         help=f"share of GPU memory kept free for what the estimate does not hold: NCCL buffers, side-stream pools, "
         f"the estimate's error (default {DEFAULT_MARGIN})",
     )
     group.add_argument(
-        "--tflops", type=float, default=None, help="peak dense TFLOP/s in the compute dtype, instead of the catalog's"
+        "--tflops", type=rate, default=None, help="peak dense TFLOP/s in the compute dtype, instead of the catalog's"
     )
     group.add_argument(
-        "--memory-gbps", type=float, default=None, help="GPU memory bandwidth in GB/s, instead of the catalog's"
+        "--memory-gbps", type=rate, default=None, help="GPU memory bandwidth in GB/s, instead of the catalog's"
     )
     group.add_argument(
         "--interconnect-gbps",
-        type=float,
+        type=rate,
         default=None,
         help="GPU-to-GPU bandwidth of one GPU in one direction inside a node, GB/s, instead of the catalog's",
     )
     group.add_argument(
         "--internode-gbps",
-        type=float,
+        type=rate,
         default=INTERNODE_GBPS,
         help=f"network bandwidth per GPU between nodes, one direction, GB/s (default {INTERNODE_GBPS:g}: 400 Gb/s)",
     )
     group.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=count(),
         default=GPUS_PER_NODE,
         help=f"GPUs per node; tensor parallelism stays inside one (default {GPUS_PER_NODE})",
     )
     group.add_argument(
         "--pcie-gbps",
-        type=float,
+        type=rate,
         default=PCIE_4_X16_GBPS,
         help=f"host link bandwidth each way in GB/s, for offloading (default {PCIE_4_X16_GBPS}: PCIe 4.0 x16)",
     )
     group.add_argument(
         "--host-optimizer-gbps",
-        type=float,
+        type=rate,
         default=HOST_OPTIMIZER_GBPS,
         help=f"host memory bandwidth an offloaded optimizer step streams at, GB/s (default {HOST_OPTIMIZER_GBPS:g})",
     )
     group.add_argument("--no-offload", action="store_true", help="leave optimizer-offload layouts out")
     group.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="processes searching layouts (default: one per CPU)"
+        "--jobs",
+        type=count(maximum=1024),
+        default=os.cpu_count() or 1,
+        help="processes searching layouts (default: one per CPU)",
     )
 
 
@@ -421,30 +437,18 @@ def _run_plan(args: argparse.Namespace) -> int:
     from analysis.steptime import Cluster
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
-    from tracer.units import parse_bytes
+    from tracer.units import GIB, MIB, parse_bytes
 
-    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--jobs", args.jobs)):
-        if value < 1:
-            raise UserError(f"{flag} must be at least 1 (got {value}).")
     if args.grad_accum != 1:
         raise UserError("plan picks the gradient accumulation itself: give --global-batch instead of --grad-accum.")
-    if not 0 <= args.margin < 1:
-        raise UserError(f"--margin is a share of GPU memory in [0, 1) (got {args.margin}).")
     setup = _setup(args)
     gpu = find_gpu(setup.gpu)
-    rates = {
-        "--tflops": args.tflops,
-        "--memory-gbps": args.memory_gbps,
-        "--interconnect-gbps": args.interconnect_gbps,
-        "--internode-gbps": args.internode_gbps,
-        "--host-optimizer-gbps": args.host_optimizer_gbps,
-    }
-    for flag, value in rates.items():
-        if value is not None and value <= 0:
-            raise UserError(f"{flag} must be positive (got {value}).")
     overrides = {}
     if args.gpu_memory:
-        overrides["memory_gib"] = parse_bytes(args.gpu_memory, "--gpu-memory") / 1024**3
+        memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+        if memory < MIB:
+            raise UserError(f"--gpu-memory {args.gpu_memory} is less than 1 MiB; give the GPU's memory, e.g. 80GiB.")
+        overrides["memory_gib"] = memory / GIB
     if args.tflops:
         overrides |= {"bf16_tflops": args.tflops, "fp16_tflops": args.tflops, "fp32_tflops": args.tflops}
     if args.memory_gbps:
@@ -519,6 +523,8 @@ def _layout(args: argparse.Namespace):
 
 
 def _setup(args: argparse.Namespace) -> TrainingSetup:
+    _refuse_flags_that_do_not_apply(args)
+    defaults = TrainingSetup()
     quantize = "nf4" if args.qlora else "int8" if args.load_in_8bit else None
     if getattr(args, "quantize", None):
         quantize = "fp4" if args.quantize == "int4" else args.quantize
@@ -526,10 +532,13 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
     if args.lora_r is not None or args.qlora or args.load_in_8bit:
         targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
         lora = LoraSetup(
-            r=args.lora_r or LoraSetup.r, alpha=args.lora_alpha, targets=targets, dropout=args.lora_dropout
+            r=_given(args.lora_r, LoraSetup.r),
+            alpha=_given(args.lora_alpha, LoraSetup.alpha),
+            targets=targets,
+            dropout=_given(args.lora_dropout, LoraSetup.dropout),
         )
     inference = {
-        name: getattr(args, name)
+        name: _given(getattr(args, name), getattr(defaults, name))
         for name in ("mode", "max_new_tokens", "cache", "logits_to_keep")
         if hasattr(args, name)
     }
@@ -538,7 +547,7 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         seq_len=args.seq_len,
         dtype=args.dtype,
         mixed_precision=args.mixed_precision,
-        optimizer=args.optimizer,
+        optimizer=_given(args.optimizer, defaults.optimizer),
         attn=args.attn,
         target=Target(getattr(args, "target", Target.CUDA.value)),
         gpu=args.gpu or TrainingSetup.gpu,
@@ -549,10 +558,37 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         grad_accum=args.grad_accum,
         keep_outputs=args.keep_outputs,
         optimizer_impl=args.optimizer_impl,
-        pcie_gbps=getattr(args, "pcie_gbps", PCIE_4_X16_GBPS),
+        pcie_gbps=_given(getattr(args, "pcie_gbps", None), PCIE_4_X16_GBPS),
         **inference,
         expandable_segments=_expandable_segments(args),
     )
+
+
+def _given(value, default):
+    """A flag whose default is None so that giving it can be told apart from leaving it out."""
+    return default if value is None else value
+
+
+def _refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """A flag that would be ignored is an error: the user meant something the estimate would not show."""
+
+    def given(name: str) -> bool:
+        return getattr(args, name, None) is not None
+
+    inference = getattr(args, "mode", "train") == "inference"
+    lora = given("lora_r") or args.qlora or args.load_in_8bit
+    for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+        if given(name) and not lora:
+            raise UserError(f"--{name.replace('_', '-')} sets up LoRA adapters: add --lora-r R (or --qlora).")
+    if inference and given("optimizer"):
+        raise UserError("--optimizer does not apply to inference: drop it with --mode inference.")
+    for name in ("max_new_tokens", "cache", "logits_to_keep"):
+        if given(name) and not inference:
+            raise UserError(f"--{name.replace('_', '-')} applies to generation: add --mode inference.")
+    if hasattr(args, "offload") and args.offload is None and given("pcie_gbps"):
+        raise UserError("--pcie-gbps times transfers to host memory: add --offload, or drop it.")
+    if getattr(args, "target", "cuda") == "cpu" and given("gpu"):
+        raise UserError("--gpu picks the GPU that --target cuda reproduces: drop it with --target cpu.")
 
 
 def _expandable_segments(args: argparse.Namespace) -> bool:
@@ -582,8 +618,6 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
-    if args.by_module is not None and args.by_module < 1:
-        raise UserError(f"--by-module needs a depth of at least 1 (got {args.by_module}).")
     setup = _setup(args)
     layout = _layout(args)
     gpu = find_gpu(setup.gpu)
@@ -614,8 +648,10 @@ def _run_timeline(args: argparse.Namespace) -> int:
     path = Path(args.output)
     if path.suffix not in FORMATS:
         raise UserError(f"-o {path}: the suffix picks the format; use one of {', '.join(FORMATS)}.")
-    if not path.parent.exists():
+    if not path.parent.is_dir():
         raise UserError(f"-o {path}: folder {path.parent} does not exist.")
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"-o {path} cannot be written; choose a file in a folder you may write to.")
     setup = _setup(args)
     if path.suffix == ".pickle" and setup.target is not Target.CUDA:
         raise UserError("A memory_viz snapshot describes the CUDA caching allocator: drop --target cpu.")
@@ -684,7 +720,7 @@ def _run_measure(args: argparse.Namespace) -> int:
     setup = _setup(args)
     require_device(setup.target)
     model = resolve_model(args.model)
-    _warn_about_length(model, setup)
+    _warn_about_length(model, setup, refuse=True)
     what = "generations" if setup.mode == "inference" else "training steps"
     _progress(args, f"Running two real {what} of {model.model_id} on {setup.target.value} ...")
     report = measure(model, setup)
@@ -713,14 +749,26 @@ def _run_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warn_about_length(model, setup: TrainingSetup) -> None:
+def _warn_about_length(model, setup: TrainingSetup, refuse: bool = False) -> None:
+    """Past max_position_embeddings a model was not trained, and one with a learned position table cannot run:
+    a trace still runs (a warning), a real run (``refuse``) is an error."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and setup.seq_len > limit:
-        print(
-            f"warning: --seq-len {setup.seq_len} exceeds {model.model_id}'s max_position_embeddings ({limit}); "
-            "the estimate still runs, but the model was not trained for it.",
-            file=sys.stderr,
+    length = setup.seq_len + (setup.max_new_tokens - 1 if setup.mode == "inference" else 0)
+    if not isinstance(limit, int) or length <= limit:
+        return
+    tokens = f"--seq-len {setup.seq_len}" + (
+        f" + --max-new-tokens {setup.max_new_tokens}" if length > setup.seq_len else ""
+    )
+    if refuse:
+        raise UserError(
+            f"{tokens} reaches position {length}, beyond {model.model_id}'s max_position_embeddings ({limit}), "
+            "which a real run cannot embed: measure at most that many tokens."
         )
+    print(
+        f"warning: {tokens} reaches position {length}, beyond {model.model_id}'s max_position_embeddings ({limit}); "
+        "the estimate still runs, but the model was not trained for it.",
+        file=sys.stderr,
+    )
 
 
 @contextmanager

@@ -154,8 +154,8 @@ def test_plan_cli_json(tmp_path, capsys):
         (["--grad-accum", "4"], "--global-batch instead"),
         (["--global-batch", "0"], "--global-batch must be at least 1"),
         (["--gpu", "v100-32gb", "--dtype", "bf16"], "no bfloat16"),
-        (["--tflops", "0"], "--tflops must be positive"),
-        (["--internode-gbps", "-1"], "--internode-gbps must be positive"),
+        (["--tflops", "0"], "--tflops must be a finite positive number"),
+        (["--internode-gbps", "-1"], "--internode-gbps must be a finite positive number"),
     ],
 )
 def test_plan_cli_errors(tmp_path, capsys, flags, message):

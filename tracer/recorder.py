@@ -120,7 +120,12 @@ class StepRecorder(TorchDispatchMode):
         return Trace(ops=self.ops, storages=self.storages)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception as error:  # named for the user's one-line message (tracing.traced_errors)
+            if not hasattr(error, "traced_op"):
+                error.traced_op = f"op {func} in {self.scope.current() or 'the model'}"
+            raise
         if func.namespace == "prim" or self._paused:  # metadata queries (prim.device, ...), or paused
             return out
         index = len(self.ops)

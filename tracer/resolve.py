@@ -6,6 +6,7 @@ this package; the Hub, only when it answers quickly.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
@@ -14,14 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from tracer.config_check import check_config
 from tracer.errors import UserError
-from tracer.registry import find_bundled
-
-# Every decoder needs these to have a size; transformers silently fills defaults for missing ones, which
-# would estimate some other model. Keys are config attributes after ``attribute_map`` aliasing.
-REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+from tracer.registry import BUNDLED_MODELS, find_bundled
 
 HUB_HOST = "huggingface.co"
 HUB_TIMEOUT_S = 3.0
@@ -44,23 +43,76 @@ def resolve_model(model_id: str) -> ResolvedModel:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise UserError(f"Config file {model_id} does not exist.")
-        return ResolvedModel(model_id, config_from_dict(_read_json(path), str(path)), f"file {path}")
+        return _resolved(model_id, _read_json(path), str(path), f"file {path}")
 
     cached = _from_hf_cache(model_id)
     if cached is not None:
-        return ResolvedModel(model_id, config_from_dict(_read_json(cached), str(cached)), f"HF cache {cached}")
+        return _resolved(model_id, _read_json(cached), str(cached), f"HF cache {cached}")
     bundled = find_bundled(model_id)
     if bundled is not None:
-        return ResolvedModel(bundled.model_id, config_from_dict(bundled.load(), bundled.model_id), "bundled config")
+        return _resolved(bundled.model_id, bundled.load(), bundled.model_id, "bundled config")
     downloaded = _from_hub(model_id)
     if downloaded is not None:
-        return ResolvedModel(model_id, config_from_dict(_read_json(downloaded), model_id), "Hugging Face Hub")
+        return _resolved(model_id, _read_json(downloaded), model_id, "Hugging Face Hub")
+    close = closest_bundled(model_id)
     raise UserError(
-        f"Unknown model {model_id!r}: it is not a local path, not in the Hugging Face cache, not bundled, "
-        "and the Hub could not be reached.\n"
-        "Pass a config instead: `python -m tracer analyze path/to/config.json` (or a directory holding "
-        "config.json). `python -m tracer models` lists the bundled models."
+        f"Unknown model {model_id!r}: not a local path, not in the Hugging Face cache, not bundled, and the Hub "
+        "could not be reached. "
+        + (f"Closest bundled: {', '.join(close)}. " if close else "")
+        + "Or pass its config.json (or a directory holding it); `python -m tracer models` lists the bundled models."
     )
+
+
+def _resolved(model_id: str, data: Any, where: str, source: str) -> ResolvedModel:
+    data, how = language_model(data, where)
+    return ResolvedModel(model_id, config_from_dict(data, where), source + (f"; {how}" if how else ""))
+
+
+def language_model(data: Any, where: str) -> tuple[Any, str | None]:
+    """The config of the decoder to estimate, and how it was found when it is not the file's top level.
+
+    A multimodal checkpoint (Gemma 3, Llama 4, Mistral Small 3.1, Qwen3-VL) nests its language model under
+    ``text_config``; it is estimated alone, without the vision tower. A config whose ``model_type`` transformers
+    does not know but whose ``architectures`` names one of its causal-LM classes (Kimi K2: a DeepSeek-V3 model
+    shipped with its own code) is read as that class's config.
+    """
+    if not isinstance(data, dict):
+        return data, None
+    nested = data.get("text_config")
+    if isinstance(nested, dict) and not any(field in data for field in ("hidden_size", "num_hidden_layers")):
+        model_type = nested.get("model_type") or _sub_config_type(data.get("model_type"))
+        if model_type is None:
+            raise UserError(f'{where}: text_config has no "model_type" (e.g. "llama"); add it.')
+        architecture = (data.get("architectures") or [data.get("model_type")])[0]
+        how = f"the language model (text_config) of the {architecture} checkpoint; its vision tower is not counted"
+        return {**nested, "model_type": model_type}, how
+    model_type = data.get("model_type")
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        for architecture in data.get("architectures") or ():
+            known = _CAUSAL_LM_TYPES.get(architecture)
+            if known is not None:
+                return {**data, "model_type": known}, f"model_type {model_type!r} read as {architecture}'s ({known})"
+    return data, None
+
+
+def _sub_config_type(model_type: Any) -> str | None:
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return None
+    text = getattr(CONFIG_MAPPING[model_type], "sub_configs", {}).get("text_config")
+    return getattr(text, "model_type", None) or None
+
+
+_CAUSAL_LM_TYPES = {class_name: model_type for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+
+
+def closest_bundled(model_id: str, count: int = 3) -> list[str]:
+    """Bundled ids and aliases that look like ``model_id`` (its name without the organisation counts most)."""
+    names = {name.lower(): name for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
+    short = {name.split("/")[-1]: full for name, full in names.items()}
+    query = model_id.lower()
+    found = difflib.get_close_matches(query, names, n=count, cutoff=0.6)
+    found += difflib.get_close_matches(query.split("/")[-1], short, n=count, cutoff=0.6)
+    return list(dict.fromkeys(names.get(name) or short[name] for name in found))[:count]
 
 
 def config_from_dict(data: Any, where: str) -> PretrainedConfig:
@@ -70,20 +122,19 @@ def config_from_dict(data: Any, where: str) -> PretrainedConfig:
     model_type = data.get("model_type")
     if not model_type:
         raise UserError(f'{where}: the config has no "model_type" (e.g. "llama"); add it.')
+    if not isinstance(model_type, str):
+        raise UserError(f'{where}: "model_type" must be a string such as "llama", got {model_type!r}.')
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
             f"{where}: model_type {model_type!r} has no causal-LM class in transformers; "
             "this tool estimates decoder language models."
         )
-    stored_name = AutoConfig.for_model(model_type).attribute_map  # e.g. num_hidden_layers -> n_layer
-    missing = [f for f in REQUIRED_FIELDS if f not in data and stored_name.get(f) not in data]
-    if missing:
-        names = ", ".join(stored_name.get(f, f) for f in missing)
-        raise UserError(f"{where}: the config is incomplete; it lacks {names}.")
+    check_config(data, CONFIG_MAPPING[model_type].attribute_map, where)  # e.g. num_hidden_layers -> n_layer
     try:
         return AutoConfig.for_model(**data)
-    except (TypeError, ValueError) as error:
-        raise UserError(f"{where}: transformers rejects this config: {error}") from None
+    except (TypeError, ValueError) as error:  # strict dataclass validation raises TypeError subclasses
+        reason = str(error).strip().splitlines()[-1].strip()
+        raise UserError(f"{where}: transformers rejects this config: {reason}") from None
 
 
 def _read_json(path: Path) -> Any:
@@ -91,6 +142,8 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise UserError(f"{path} is not valid JSON ({error.msg} at line {error.lineno}).") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"{path} is not UTF-8 text (byte {error.start}); save the config as UTF-8 JSON.") from None
     except OSError as error:
         raise UserError(f"Cannot read {path}: {error.strerror}.") from None
 

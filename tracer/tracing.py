@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -54,7 +55,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
-    with FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
+    with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model", 0, 0)
         net = build_model(config, setup)
         batch = make_batch(config, setup, "cpu")
@@ -69,8 +70,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
                 scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
                 keep_outputs=setup.keep_outputs,
             )
-        with _op_errors():
-            step.prime(batch)
+        step.prime(batch)
         blocks = len(decoder_blocks(net))
 
         def on_block(index: int) -> None:  # blocks run in order, and in reverse in backward
@@ -88,7 +88,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
             report(phase.value, 0, 0 if phase is Phase.OPTIMIZER else blocks)
             recorder.enter(phase)
 
-        with _op_errors(), recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
+        with recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
             if setup.mode == "inference":
                 step.run(batch, on_phase=on_phase, recorder=recorder)
             else:
@@ -155,6 +155,18 @@ def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, 
     }
 
 
+def _checkpoint_quantization(config) -> dict[str, str]:
+    """A published checkpoint's own weight format (FP8 blocks, MXFP4) is not modelled: say so beside the dtype."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return {}
+    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+    return {
+        "checkpoint_weights": f"published as {method}, which is not modelled: weights counted in --dtype "
+        "(as when the checkpoint is loaded dequantized)"
+    }
+
+
 def _inference_assumptions(setup: TrainingSetup) -> dict[str, object]:
     cache = "StaticCache" if setup.cache == "static" else "DynamicCache"
     return {
@@ -177,10 +189,18 @@ def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):
 _NO_FAKE_KERNEL = re.compile(r"no fake impl registered for <CustomOpDef\((?P<op>[^)]+)\)>")
 
 
-class _op_errors(AbstractContextManager):
-    """Turn an op the fake tensors cannot run into one message that names it."""
+class traced_errors(AbstractContextManager):
+    """Turn anything that fails while the model is built or traced into one message naming the model and,
+    where the recorder saw it, the op and module (``TRACER_DEBUG=1`` keeps the traceback)."""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
 
     def __exit__(self, exc_type, exc, tb):
+        if exc is None or isinstance(exc, UserError) or not isinstance(exc, Exception):
+            return False
+        if os.environ.get("TRACER_DEBUG") == "1":
+            return False
         missing = _NO_FAKE_KERNEL.search(str(exc)) if isinstance(exc, RuntimeError) else None
         if isinstance(exc, UnsupportedOperatorException) or missing:
             op = exc.func if missing is None else missing["op"]
@@ -193,7 +213,12 @@ class _op_errors(AbstractContextManager):
                 f"The tracer cannot run op {exc.func}: its output size depends on tensor values, "
                 "which a trace without data does not have."
             ) from None
-        return False
+        where = f" at {exc.traced_op}" if hasattr(exc, "traced_op") else ""
+        reason = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserError(
+            f"Tracing {self.model_id} failed{where}: {type(exc).__name__}: {reason}. This model or setup is not "
+            "supported; please report it with the command you ran (TRACER_DEBUG=1 shows the traceback)."
+        ) from None
 
 
 def _assumptions(model: ResolvedModel, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
@@ -201,6 +226,7 @@ def _assumptions(model: ResolvedModel, setup: TrainingSetup, optimizer, emulatio
     attention = attention_implementation(config, setup)
     assumptions: dict[str, object] = {
         "model_source": model.source,
+        **_checkpoint_quantization(config),
         **(
             _inference_assumptions(setup)
             if setup.mode == "inference"

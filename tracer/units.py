@@ -1,5 +1,7 @@
 """Bytes for people. Internally everything stays an integer number of bytes."""
 
+import math
+
 from tracer.errors import UserError
 
 GIB = 1024**3
@@ -25,6 +27,7 @@ def format_count(count: int) -> str:
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1024, "mib": MIB, "gib": GIB}
 _UNITS["tib"] = 1024 * GIB
+_LARGEST = 1024**5 * 1024  # 1 EiB: beyond any device, within float precision for whole bytes
 
 
 def parse_bytes(text: str, flag: str) -> int:
@@ -35,6 +38,8 @@ def parse_bytes(text: str, flag: str) -> int:
         value = float(number)
     except ValueError:
         value = -1.0
-    if unit not in _UNITS or value <= 0:
+    if unit not in _UNITS or not 0 < value < math.inf:
         raise UserError(f"{flag} takes a size such as 80GiB or 24GB (got {text!r}).")
+    if value * _UNITS[unit] > _LARGEST:
+        raise UserError(f"{flag} {text} is beyond {_LARGEST // 1024**5} PiB; give the memory of one GPU.")
     return int(value * _UNITS[unit])
