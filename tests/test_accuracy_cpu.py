@@ -52,6 +52,36 @@ def test_sweep(family, shape, setup):
     check(family, SHAPES[shape], SETUPS[setup])
 
 
+MOE_AND_2025_FAMILIES = [
+    "mixtral",
+    "qwen3",
+    "qwen3_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "gemma3_text",
+    "llama4_text",
+    "smollm3",
+]
+ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"] * 2}
+FOUR_LAYERS = {"gpt_oss": ALTERNATING, "gemma3_text": ALTERNATING, "smollm3": {"no_rope_layers": [1, 1, 1, 0]}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"mixed_precision": "bf16", "grad_checkpointing": "full"}])
+@pytest.mark.parametrize("family", MOE_AND_2025_FAMILIES)
+def test_peak_inside_the_layers(family, options):
+    """A vocabulary of 16 moves the peak off the loss into the decoder layers (experts, latent attention,
+    sliding windows, NoPE layers), where these families differ."""
+    model = tiny_model(family, vocab_size=16, num_hidden_layers=4, **FOUR_LAYERS.get(family, {}))
+    setup = TrainingSetup(batch_size=2, seq_len=64, target=Target.CPU, **options)
+    estimate, measured = analyze(model, setup), measure(model, setup)
+    assert estimate.peak_module.startswith("model.layers") or estimate.peak_module == "model.norm"
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= TOLERANCE * measured.peak_bytes, (
+        f"{family} {options}: estimated {estimate.peak_bytes} at {estimate.peak_op} in {estimate.peak_module!r}, "
+        f"measured {measured.peak_bytes} at {measured.peak_op} in {measured.peak_module!r}"
+    )
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bloom"])
 def test_eager_attention(family):
     check(family, SHAPES["b2-s32"], dict(attn="eager", mixed_precision="bf16"))

@@ -147,7 +147,19 @@ def test_mixed_precision_needs_fp32_weights(tmp_path, capsys):
 def test_sequence_beyond_the_model_maximum_warns(tmp_path, capsys):
     code, out, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "300", "--json")
     assert code == 0 and json.loads(out)["peak_bytes"] > 0
-    assert "warning: --seq-len 300 exceeds" in err and "max_position_embeddings (256)" in err
+    assert "warning: --seq-len 300 reaches position 300" in err and "max_position_embeddings (256)" in err
+
+
+def test_generated_tokens_count_toward_the_model_maximum(tmp_path, capsys):
+    argv = ["analyze", str(_config_file(tmp_path)), "--mode", "inference", "--seq-len", "250", "--json"]
+    code, _, err = _run(capsys, *argv, "--max-new-tokens", "10")
+    assert code == 0 and "--seq-len 250 + --max-new-tokens 10 reaches position 259" in err
+
+
+def test_measure_refuses_positions_the_model_cannot_embed(tmp_path, capsys):
+    """A real run past a learned position table ends in an IndexError; measure says so before running."""
+    code, _, err = _run(capsys, "measure", str(_config_file(tmp_path, "gpt2")), "--seq-len", "300", "--target", "cpu")
+    _assert_user_error(code, err, "max_position_embeddings (256)", "measure at most that many tokens")
 
 
 @torch.library.custom_op("memtest::opaque", mutates_args=())
@@ -185,8 +197,9 @@ def test_models_lists_the_registry(capsys):
 
 def test_every_tiny_family_is_a_registry_family():
     from tracer.registry import BUNDLED_MODELS
+    from tracer.resolve import resolve_model
 
-    assert {model.load()["model_type"] for model in BUNDLED_MODELS} == set(TINY_CONFIGS)
+    assert {resolve_model(model.model_id).config.model_type for model in BUNDLED_MODELS} == set(TINY_CONFIGS)
 
 
 def test_measure_refuses_what_this_machine_cannot_hold(tmp_path, capsys, monkeypatch):

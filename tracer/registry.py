@@ -1,7 +1,8 @@
 """Configs of popular models shipped inside the package, so that no download is ever needed.
 
 Each file under ``configs/`` holds the architecture fields of the model's official ``config.json`` on the
-Hugging Face Hub (https://huggingface.co/<model id>/blob/main/config.json).
+Hugging Face Hub (https://huggingface.co/<model id>/blob/main/config.json). An alias shares its model's
+architecture (an -Instruct, -it or -Base id of the same weights' shapes).
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     BundledModel("meta-llama/Llama-3.1-405B", ("meta-llama/Meta-Llama-3.1-405B",)),
     BundledModel("meta-llama/Llama-3.2-1B", ("meta-llama/Llama-3.2-1B-Instruct",)),
     BundledModel("meta-llama/Llama-3.2-3B", ("meta-llama/Llama-3.2-3B-Instruct",)),
-    BundledModel("mistralai/Mistral-7B-v0.1"),
-    BundledModel("mistralai/Mixtral-8x7B-v0.1"),
-    BundledModel("Qwen/Qwen2.5-0.5B"),
-    BundledModel("Qwen/Qwen2.5-7B"),
-    BundledModel("Qwen/Qwen2.5-72B"),
-    BundledModel("google/gemma-2-2b"),
-    BundledModel("google/gemma-2-9b"),
+    BundledModel("mistralai/Mistral-7B-v0.1", ("mistralai/Mistral-7B-Instruct-v0.1",)),
+    BundledModel("mistralai/Mixtral-8x7B-v0.1", ("mistralai/Mixtral-8x7B-Instruct-v0.1",)),
+    BundledModel("Qwen/Qwen2.5-0.5B", ("Qwen/Qwen2.5-0.5B-Instruct",)),
+    BundledModel("Qwen/Qwen2.5-7B", ("Qwen/Qwen2.5-7B-Instruct",)),
+    BundledModel("Qwen/Qwen2.5-72B", ("Qwen/Qwen2.5-72B-Instruct",)),
+    BundledModel("google/gemma-2-2b", ("google/gemma-2-2b-it",)),
+    BundledModel("google/gemma-2-9b", ("google/gemma-2-9b-it",)),
     BundledModel("microsoft/Phi-3-mini-4k-instruct", ("microsoft/Phi-3-mini",)),
     BundledModel("facebook/opt-125m"),
     BundledModel("facebook/opt-350m"),
@@ -71,6 +72,31 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     BundledModel("tiiuae/falcon-7b"),
     BundledModel("bigcode/starcoder"),
     BundledModel("bigcode/octocoder"),
+    # 2025-2026 releases; where each file was copied from is in configs/SOURCES.md.
+    BundledModel("Qwen/Qwen3-0.6B", ("Qwen/Qwen3-0.6B-Base",)),
+    BundledModel("Qwen/Qwen3-1.7B", ("Qwen/Qwen3-1.7B-Base",)),
+    BundledModel("Qwen/Qwen3-8B", ("Qwen/Qwen3-8B-Base",)),
+    BundledModel("Qwen/Qwen3-14B", ("Qwen/Qwen3-14B-Base",)),
+    BundledModel("Qwen/Qwen3-32B"),
+    BundledModel("Qwen/Qwen3-30B-A3B", ("Qwen/Qwen3-30B-A3B-Base",)),
+    BundledModel("Qwen/Qwen3-235B-A22B"),
+    BundledModel("meta-llama/Llama-3.3-70B-Instruct", ("meta-llama/Llama-3.3-70B",)),
+    BundledModel("meta-llama/Llama-4-Scout-17B-16E-Instruct", ("meta-llama/Llama-4-Scout-17B-16E",)),
+    BundledModel("meta-llama/Llama-4-Maverick-17B-128E-Instruct", ("meta-llama/Llama-4-Maverick-17B-128E",)),
+    BundledModel("google/gemma-3-1b-it", ("google/gemma-3-1b-pt",)),
+    BundledModel("microsoft/phi-4", ("microsoft/Phi-4",)),
+    BundledModel("microsoft/Phi-4-mini-instruct", ("microsoft/Phi-4-mini",)),
+    BundledModel("mistralai/Mistral-Nemo-Base-2407", ("mistralai/Mistral-Nemo-Instruct-2407",)),
+    BundledModel("mistralai/Mixtral-8x22B-v0.1", ("mistralai/Mixtral-8x22B-Instruct-v0.1",)),
+    BundledModel("deepseek-ai/DeepSeek-V3", ("deepseek-ai/DeepSeek-V3-Base", "deepseek-ai/DeepSeek-V3-0324")),
+    BundledModel("deepseek-ai/DeepSeek-R1", ("deepseek-ai/DeepSeek-R1-0528",)),
+    BundledModel("moonshotai/Kimi-K2-Instruct", ("moonshotai/Kimi-K2-Base",)),
+    BundledModel("openai/gpt-oss-20b"),
+    BundledModel("openai/gpt-oss-120b"),
+    BundledModel("HuggingFaceTB/SmolLM2-135M", ("HuggingFaceTB/SmolLM2-135M-Instruct",)),
+    BundledModel("HuggingFaceTB/SmolLM2-360M", ("HuggingFaceTB/SmolLM2-360M-Instruct",)),
+    BundledModel("HuggingFaceTB/SmolLM2-1.7B", ("HuggingFaceTB/SmolLM2-1.7B-Instruct",)),
+    BundledModel("HuggingFaceTB/SmolLM3-3B", ("HuggingFaceTB/SmolLM3-3B-Base",)),
 )
 
 _BY_NAME = {name.lower(): model for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
