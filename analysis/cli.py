@@ -437,7 +437,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from analysis.steptime import Cluster
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
-    from tracer.units import GIB, MIB, parse_bytes
+    from tracer.units import MIB, parse_bytes
 
     if args.grad_accum != 1:
         raise UserError("plan picks the gradient accumulation itself: give --global-batch instead of --grad-accum.")
@@ -448,7 +448,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.gpu_memory, "--gpu-memory")
         if memory < MIB:
             raise UserError(f"--gpu-memory {args.gpu_memory} is less than 1 MiB; give the GPU's memory, e.g. 80GiB.")
-        overrides["memory_gib"] = memory / GIB
+        overrides["memory_bytes"] = memory
     if args.tflops:
         overrides |= {"bf16_tflops": args.tflops, "fp16_tflops": args.tflops, "fp32_tflops": args.tflops}
     if args.memory_gbps:
@@ -479,16 +479,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_gpus(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from tracer.gpus import GPUS
+    from tracer.gpus import GPUS, TOTAL_MEMORY_SOURCES
+    from tracer.units import GIB
 
     if args.json:
-        print(json.dumps([gpu.__dict__ for gpu in GPUS], indent=2))
+        print(json.dumps([gpu.__dict__ | {"memory_source": TOTAL_MEMORY_SOURCES[gpu.name]} for gpu in GPUS], indent=2))
         return 0
     rows = [
         (
             gpu.name,
             gpu.description,
-            f"{gpu.memory_gib:g}",
+            f"{gpu.memory_bytes / GIB:.2f}",
             f"{gpu.bf16_tflops:g}" if gpu.bf16_tflops else "-",
             f"{gpu.fp16_tflops:g}",
             f"{gpu.fp32_tflops:g}",
@@ -498,12 +499,17 @@ def _run_gpus(args: argparse.Namespace) -> int:
         )
         for gpu in GPUS
     ]
-    headers = ["--gpu", "GPU", "GiB", "bf16 TFLOP/s", "fp16", "fp32", "memory GB/s", "GPU-to-GPU GB/s", "arch"]
-    print(tabulate(rows, headers=headers, colalign=("left", "left", *["right"] * 5, "left", "left")))
+    headers = ["--gpu", "GPU", "memory GiB", "bf16 TFLOP/s", "fp16", "fp32", "memory GB/s", "GPU-to-GPU GB/s", "arch"]
+    print(
+        tabulate(
+            rows, headers=headers, colalign=("left", "left", *["right"] * 5, "left", "left"), disable_numparse=True
+        )
+    )
     notes = [f"  {gpu.name}: {gpu.note}" for gpu in GPUS if gpu.note]
     print(
-        "\nDense throughput (no sparsity), datasheet figures; --gpu-memory, --tflops, --memory-gbps and "
-        "--interconnect-gbps override them.\n" + "\n".join(notes)
+        "\nMemory: the total torch reports (cudaDeviceProp.totalGlobalMem), less than the datasheet's GB; "
+        "python -m tracer gpus --json cites each. Dense throughput (no sparsity), datasheet figures. --gpu-memory, "
+        "--tflops, --memory-gbps and --interconnect-gbps override them.\n" + "\n".join(notes)
     )
     return 0
 
@@ -644,6 +650,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from analysis.export import FORMATS, timeline_rows, write_csv, write_html, write_json, write_png, write_snapshot
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
+    from tracer.units import format_bytes
 
     path = Path(args.output)
     if path.suffix not in FORMATS:
@@ -671,7 +678,8 @@ def _run_timeline(args: argparse.Namespace) -> int:
         write_html(rows, path, title)
     else:
         write_snapshot(result.step, path, allocator_config(setup))
-    _progress(args, f"Wrote {path} ({len(rows):,} ops, peak {report.peak_bytes:,} bytes at op {report.peak_op_index}).")
+    peak = format_bytes(report.peak_bytes)
+    _progress(args, f"Wrote {path} ({len(rows):,} ops, peak allocated {peak} at op {report.peak_op_index:,}).")
     return 0
 
 

@@ -16,7 +16,7 @@ def render_plan(plan: Plan) -> str:
     numbers = _note_numbers(plan)
     batch = f", global batch {plan.global_batch}" if plan.global_batch else ", largest micro-batch, no accumulation"
     lines = [
-        f"{plan.model_id} on {plan.gpus} x {gpu.description} ({gpu.memory_gib:g} GiB), sequence "
+        f"{plan.model_id} on {plan.gpus} x {gpu.description} ({format_bytes(gpu.memory_bytes, 2)}), sequence "
         f"{plan.setup.seq_len:,}{batch}",
         f"Fits: {plan.budget.describe()}.",
         "",

@@ -58,7 +58,7 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     """For every layout the planner keeps, ``analyze`` at its micro-batch fits the budget and at one more
     does not (or the micro-batch is the per-rank share of the global batch)."""
     model = tiny_model("llama")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=None, offload=False)
     checked = 0
@@ -75,7 +75,7 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
 
 def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
     model = tiny_model("llama")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
     result = plan(model, SETUP, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=64, offload=False)
     fitting = [o for o in result.outcomes if o.fits]
     assert fitting and result.best is fitting[0]

@@ -1,6 +1,7 @@
 """GPUs the estimate and the planner can target: memory, peak throughput, bandwidths, compute capability.
 
-Figures are the vendors' datasheets for the named part (SXM/OAM modules where there is a choice): dense
+Memory is what torch reports as the device's total (cited per GPU below). The other figures are the vendors'
+datasheets for the named part (SXM/OAM modules where there is a choice): dense
 tensor-core throughput (without structured sparsity), fp32 without tensor cores (what torch's default
 ``float32_matmul_precision="highest"`` uses), memory bandwidth, and the GPU-to-GPU link each GPU has in one
 direction (half the bidirectional figure datasheets print). Compute capability decides which kernels and
@@ -30,9 +31,7 @@ class Gpu:
     name: str
     description: str
     compute_capability: tuple[int, int]
-    # The datasheet's capacity; torch reports a little less as total memory (79.1-79.3 GiB on 80 GB parts, as
-    # CUDA out-of-memory messages show), which the planner's safety margin covers.
-    memory_gib: float
+    memory_bytes: int  # what torch reports as the device's total memory (see TOTAL_MEMORY_SOURCES)
     bf16_tflops: float | None  # dense tensor-core bf16 with fp32 accumulation; None: no bf16 tensor cores
     fp16_tflops: float  # dense tensor-core fp16 with fp32 accumulation
     fp32_tflops: float  # without tensor cores
@@ -41,10 +40,6 @@ class Gpu:
     interconnect_gbps: float  # GPU-to-GPU bandwidth of one GPU in one direction, GB/s
     context_bytes: int = CUDA_CONTEXT_BYTES
     note: str = ""
-
-    @property
-    def memory_bytes(self) -> int:
-        return int(self.memory_gib * 1024**3)
 
     def peak_flops(self, compute_dtype: str) -> float:
         """Peak FLOP/s of matmuls in ``compute_dtype`` ("bfloat16", "float16", "float32")."""
@@ -65,15 +60,43 @@ NVLINK_5 = "NVLink 5 (1.8 TB/s)"
 PCIE_3 = "PCIe 3.0 x16"
 PCIE_4 = "PCIe 4.0 x16"
 
+
+def _gib(total: float) -> int:
+    """A total printed in GiB with two decimals, as CUDA out-of-memory messages print it."""
+    return round(total * 1024**3)
+
+
+# The memory a GPU offers is its total as torch reports it (cudaDeviceProp.totalGlobalMem: the "total capacity"
+# of CUDA out-of-memory messages), not the datasheet's decimal gigabytes: an "80GB" H100 offers 79.18 GiB.
+# Where reports differ (driver, board, ECC), the smallest. Sources, each a run that printed it:
+TOTAL_MEMORY_SOURCES = {
+    "v100-16gb": "15.78 GiB: github.com/kchengiva/Shift-GCN/issues/34",
+    "v100-32gb": "31.74 GiB: github.com/liucongg/ChatGLM-Finetuning/issues/73",
+    "t4": "14.75 GiB: github.com/hpcaitech/Open-Sora/issues/697 (Colab T4)",
+    "a10g": "22.49 GiB: github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259",
+    "rtx3090": "23.70 GiB: github.com/GaoLii/DSP/issues/10",
+    "l4": "no torch total found; nvidia-smi's 23,034 MiB (github.com/lmstudio-ai/lmstudio-bug-tracker/issues/1638), "
+    "which is at least what torch reports",
+    "rtx4090": "23.64 GiB: github.com/ali-vilab/VGen/issues/104 (also 23.65, 23.68 elsewhere)",
+    "l40s": "44.42 GiB: github.com/stepfun-ai/Step-Video-T2V/issues/8 (also 44.53: Wan-Video/Wan2.1#205)",
+    "a100-40gb": "39.50 GiB: github.com/TianheWu/CoSeR/issues/10 (the report says A100, not which size)",
+    "a100-80gb": "79.14 GiB: github.com/lianqi1008/Control-GIC/issues/6 (also 79.25, 79.35 elsewhere)",
+    "h100": "79.18 GiB: 1x H100 80GB HBM3 in github.com/Jackmin801/prime-rl-hardfork "
+    "benchmarks/results/BENCHMARKS.md (79.21 on an 8x node)",
+    "h200": "139.80 GiB: 8x H200 in github.com/Jackmin801/prime-rl-hardfork benchmarks/results/BENCHMARKS.md",
+    "b200": "178.35 GiB: B200 deviceQuery in github.com/pytorch/ao/pull/4002 (178.36 in prime-rl-hardfork's)",
+    "mi300x": "191.98 GiB: a ROCm out-of-memory message on an MI300X (weak: repository not resolved)",
+}
+
 GPUS: tuple[Gpu, ...] = (
-    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), 16, None, 125, 15.7, 900, NVLINK_2, 150),
-    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), 32, None, 125, 15.7, 900, NVLINK_2, 150),
-    Gpu("t4", "NVIDIA T4", (7, 5), 16, None, 65, 8.1, 320, PCIE_3, PCIE_3_X16_GBPS),
+    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), _gib(15.78), None, 125, 15.7, 900, NVLINK_2, 150),
+    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), _gib(31.74), None, 125, 15.7, 900, NVLINK_2, 150),
+    Gpu("t4", "NVIDIA T4", (7, 5), _gib(14.75), None, 65, 8.1, 320, PCIE_3, PCIE_3_X16_GBPS),
     Gpu(
         "a10g",
         "NVIDIA A10G",
         (8, 6),
-        24,
+        _gib(22.49),
         70,
         70,
         31.2,
@@ -82,20 +105,20 @@ GPUS: tuple[Gpu, ...] = (
         PCIE_4_X16_GBPS,
         note="AWS part without an NVIDIA datasheet: throughput as AWS quotes it for G5 instances",
     ),
-    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24, 71, 71, 35.6, 936, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("l4", "NVIDIA L4", (8, 9), 24, 121, 121, 30.3, 300, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24, 165.2, 165.2, 82.6, 1008, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("l40s", "NVIDIA L40S", (8, 9), 48, 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), 40, 312, 312, 19.5, 1555, NVLINK_3, 300),
-    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), 80, 312, 312, 19.5, 2039, NVLINK_3, 300),
-    Gpu("h100", "NVIDIA H100 80GB", (9, 0), 80, 989, 989, 67, 3350, NVLINK_4, 450),
-    Gpu("h200", "NVIDIA H200", (9, 0), 141, 989, 989, 67, 4800, NVLINK_4, 450),
-    Gpu("b200", "NVIDIA B200", (10, 0), 180, 2250, 2250, 75, 8000, NVLINK_5, 900),
+    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), _gib(23.70), 71, 71, 35.6, 936, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("l4", "NVIDIA L4", (8, 9), 23_034 * 1024**2, 121, 121, 30.3, 300, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), _gib(23.64), 165.2, 165.2, 82.6, 1008, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("l40s", "NVIDIA L40S", (8, 9), _gib(44.42), 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS),
+    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), _gib(39.50), 312, 312, 19.5, 1555, NVLINK_3, 300),
+    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), _gib(79.14), 312, 312, 19.5, 2039, NVLINK_3, 300),
+    Gpu("h100", "NVIDIA H100 80GB", (9, 0), _gib(79.18), 989, 989, 67, 3350, NVLINK_4, 450),
+    Gpu("h200", "NVIDIA H200", (9, 0), _gib(139.80), 989, 989, 67, 4800, NVLINK_4, 450),
+    Gpu("b200", "NVIDIA B200", (10, 0), _gib(178.35), 2250, 2250, 75, 8000, NVLINK_5, 900),
     Gpu(
         "mi300x",
         "AMD Instinct MI300X",
         (9, 0),
-        192,
+        _gib(191.98),
         1307.4,
         1307.4,
         163.4,
