@@ -3,7 +3,8 @@
 The batch size changes no op and no lifetime of a step, only the sizes of what the batch flows through; each
 such size is a product of dimensions one of which is the batch (or the batch times the sequence). So every
 storage's bytes and every dimension of its shape, and every op's FLOPs and traffic, are affine in the batch
-size, and two steps determine them all: ``BatchLine(step_2, step_3, 2).at(b)`` is the step at batch ``b``
+size (so are the bytes of host transfers and collectives), and two steps determine them all:
+``BatchLine(step_2, step_3, 2).at(b)`` is the step at batch ``b``
 without tracing it. tests/test_plan.py checks this against fresh traces at other batch sizes.
 
 Batch 1 is not on the line: some code copies a tensor only when it is not contiguous, and a slice of a
@@ -58,7 +59,13 @@ class BatchLine:
             one if one == two else replaced(one, nbytes=_affine(one.nbytes, two.nbytes, steps))
             for one, two in zip(self.one.transfers, self.two.transfers, strict=True)
         ]
-        return StepGraph(ops=ops, storages=rows, structure=self.one.structure, transfers=transfers)
+        collectives = [
+            one if one == two else replaced(one, nbytes=_affine(one.nbytes, two.nbytes, steps))
+            for one, two in zip(self.one.collectives, self.two.collectives, strict=True)
+        ]
+        return StepGraph(
+            ops=ops, storages=rows, structure=self.one.structure, transfers=transfers, collectives=collectives
+        )
 
 
 def _affine(one: int, two: int, steps: int) -> int:
@@ -107,3 +114,5 @@ def _check_same_structure(one: StepGraph, two: StepGraph) -> None:
         (t.phase, t.direction, t.what, t.overlaps) for t in two.transfers
     ]:
         raise BatchShapeError("the host transfers differ")
+    if [replaced(c, nbytes=0) for c in one.collectives] != [replaced(c, nbytes=0) for c in two.collectives]:
+        raise BatchShapeError("the collectives differ")

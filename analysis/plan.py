@@ -277,8 +277,7 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     estimate = steps.evaluate(micro)
     outcome.micro_batch, outcome.accumulation, outcome.report = micro, accumulation, estimate.report
     outcome.needed_bytes = budget.needed_bytes(estimate.report)
-    single = steps.source.step(micro)
-    outcome.time = step_time(single, estimate.step, layout, search.cluster, search.compute_dtype, accumulation)
+    outcome.time = step_time(estimate.step, layout, search.cluster, search.compute_dtype, accumulation)
     tokens = micro * accumulation * layout.dp * setup.seq_len
     outcome.tokens_per_second = tokens / outcome.time.total_s
     return outcome

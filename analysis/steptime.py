@@ -18,9 +18,8 @@ from dataclasses import dataclass
 
 from strategies.layout import Layout
 from tracer.gpus import PCIE_4_X16_GBPS, Gpu
-from tracer.graph import StepGraph
-from tracer.roles import Phase, Role
-from tracer.trace import element_size
+from tracer.graph import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, TENSOR_PARALLEL, Collective, StepGraph
+from tracer.roles import Phase
 
 # Share of peak tensor-core FLOP/s that large matmuls and flash attention reach in training. Llama 3 trained
 # at 38-43% model FLOPs utilisation end to end on H100 in BF16, communication and everything else included
@@ -76,104 +75,58 @@ class StepTime:
         return dict(self.__dict__)
 
 
-def step_time(
-    single: StepGraph, rank_step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: str, micro_steps: int
-) -> StepTime:
-    """``single``: the traced single-GPU step at the micro-batch (for the parameter, gradient and activation
-    sizes the collectives move); ``rank_step``: the busiest rank's step (its ops and host transfers)."""
+def step_time(step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: str, micro_steps: int) -> StepTime:
+    """``step``: the busiest rank's step (its ops, the collectives its runtimes issue, its host transfers)."""
     gpu = cluster.gpu
-    passes = rank_step.micro_steps()
-    phases = _phase_seconds(rank_step, passes, gpu, compute_dtype, micro_steps)
+    passes = step.micro_steps()
+    phases = _phase_seconds(step, passes, gpu, compute_dtype, micro_steps)
     forward = phases[Phase.FORWARD] / layout.tp / micro_steps
     backward = phases[Phase.BACKWARD] / layout.tp / micro_steps
     optimizer = phases[Phase.OPTIMIZER] / layout.tp / (layout.dp if layout.zero else 1)
     if layout.offload:
-        optimizer = _optimizer_bytes(rank_step) / layout.tp / layout.dp / (cluster.host_optimizer_gbps * 1e9)
+        optimizer = _optimizer_bytes(step) / layout.tp / layout.dp / (cluster.host_optimizer_gbps * 1e9)
 
-    volumes = _volumes(single, layout)
-    data = cluster.group_bytes_per_second(layout.dp, layout.tp)
-    ring = (layout.dp - 1) / layout.dp
-    gather = ring * volumes.parameters / data  # all-gather of the parameters
-    reduce_scatter = ring * volumes.gradients / data
-    all_reduce = 2 * reduce_scatter
-    units = max(len(single.structure.blocks), 1)
-
-    tensor = 0.0
-    if layout.tp > 1:
-        tp_ring = 2 * (layout.tp - 1) / layout.tp  # all-reduce, or all-gather + reduce-scatter with SP
-        tensor = tp_ring * volumes.tensor_parallel / cluster.group_bytes_per_second(layout.tp, 1)
-
-    micro_forward, micro_backward, once, communication = forward, backward, 0.0, tensor * micro_steps
-    if layout.dp > 1:
-        if layout.zero == 0 or (layout.zero == 1 and layout.engine == "fsdp"):
-            # DDP buckets all-reduce during the backward of the last micro-step (no_sync before it);
-            # ZeroRedundancyOptimizer then broadcasts each rank's updated shard.
-            last_backward = _overlapped(backward, all_reduce, units)
-            once = last_backward - backward + (gather if layout.zero == 1 else 0.0)
-            communication += all_reduce + (gather if layout.zero == 1 else 0.0)
-        elif layout.engine == "fsdp" or layout.zero == 3:
-            # FSDP2 and DeepSpeed ZeRO-3 (overlap_comm on by default for stage 3) prefetch the gathers and
-            # reduce-scatter during backward, every micro-step.
-            backward_comm = reduce_scatter + (gather if layout.zero == 3 else 0.0)
-            micro_forward = _overlapped(forward, gather, units)
-            micro_backward = _overlapped(backward, backward_comm, units)
-            communication += (gather + backward_comm) * micro_steps
+    # Seconds of the collectives that overlap forward or backward, every micro-step or only the last one's
+    # (DDP reduces under no_sync until then), and of those the step waits for.
+    hidden = {(phase, every): 0.0 for phase in (Phase.FORWARD, Phase.BACKWARD) for every in (True, False)}
+    waited = {True: 0.0, False: 0.0}
+    communication = 0.0
+    for collective in step.collectives:
+        seconds = _collective_seconds(collective, layout, cluster)
+        communication += seconds * (micro_steps if collective.every_micro_step else 1)
+        if collective.overlapped and collective.phase in (Phase.FORWARD, Phase.BACKWARD):
+            hidden[collective.phase, collective.every_micro_step] += seconds
         else:
-            # DeepSpeed ZeRO-1/2: overlap_comm defaults to off below stage 3; gradients are reduced on the
-            # compute stream (every micro-step for stage 2, at the boundary for stage 1) and the updated 16-bit
-            # partitions all-gathered after the step.
-            reductions = micro_steps if layout.zero == 2 else 1
-            once = reduce_scatter * reductions + gather
-            communication += once
+            waited[collective.every_micro_step] += seconds
+
+    units = max(len(step.structure.blocks), 1)
+    micro_forward = _overlapped(forward, hidden[Phase.FORWARD, True], units)
+    micro_backward = _overlapped(backward, hidden[Phase.BACKWARD, True], units)
+    once = waited[False]
+    for phase, compute in ((Phase.FORWARD, micro_forward), (Phase.BACKWARD, micro_backward)):
+        if hidden[phase, False]:
+            once += _overlapped(compute, hidden[phase, False], units) - compute
 
     phase_seconds = {Phase.FORWARD: forward, Phase.BACKWARD: backward}
-    host_micro, host_once = _exposed_transfers(rank_step, cluster, phase_seconds, len(passes))
+    host_micro, host_once = _exposed_transfers(step, cluster, phase_seconds, len(passes))
     host = micro_steps * host_micro + host_once
-    total = micro_steps * (micro_forward + micro_backward + tensor) + optimizer + once + host
+    total = micro_steps * (micro_forward + micro_backward + waited[True]) + optimizer + once + host
     compute = micro_steps * (forward + backward) + optimizer
     exposed = total - compute - host
     return StepTime(forward, backward, optimizer, communication, exposed, host, micro_steps, total)
 
 
-@dataclass(frozen=True)
-class _Volumes:
-    parameters: int  # bytes a data-parallel rank gathers (full size, before the ring factor)
-    gradients: int  # bytes a data-parallel rank reduces
-    tensor_parallel: int  # bytes of activations all-reduced by a tensor-parallel rank per micro-step
+# Share of a collective's tensor that each rank sends through its link in a ring of n ranks (bus bandwidth).
+BUS_FACTORS = {
+    ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    ALL_GATHER: lambda n: (n - 1) / n,
+    REDUCE_SCATTER: lambda n: (n - 1) / n,
+}
 
 
-def _volumes(single: StepGraph, layout: Layout) -> _Volumes:
-    parameters = sum(row.nbytes for row in single.storages.values() if row.role is Role.PARAMETER and row.on_device)
-    gradient_elements = sum(row.numel for row in single.storages.values() if row.role is Role.GRADIENT)
-    gradient_dtype = next((row.dtype for row in single.storages.values() if row.role is Role.GRADIENT), "float32")
-    # FSDP2's MixedPrecisionPolicy reduces in fp32 (strategies/fsdp.py Fsdp2.traced_setup); everyone else in the
-    # gradients' dtype.
-    sharded_fsdp = layout.engine == "fsdp" and layout.zero >= 2
-    reduce_size = 4 if sharded_fsdp else element_size(gradient_dtype)
-    return _Volumes(
-        parameters=parameters // layout.tp,
-        gradients=gradient_elements * reduce_size // layout.tp,
-        tensor_parallel=_tensor_parallel_bytes(single, layout),
-    )
-
-
-def _tensor_parallel_bytes(single: StepGraph, layout: Layout) -> int:
-    """Megatron's pattern: each layer all-reduces its attention and MLP outputs in forward and their input
-    gradients in backward (again in forward when recomputed), plus the embedding's output and the lm_head's
-    input gradient: one activation-sized (batch x sequence x hidden) tensor each."""
-    if layout.tp == 1:
-        return 0
-    layers = len(single.structure.blocks)
-    recomputed = any(op.recompute for op in single.ops)
-    activation = _hidden_state_bytes(single)
-    return ((6 if recomputed else 4) * layers + 2) * activation
-
-
-def _hidden_state_bytes(single: StepGraph) -> int:
-    """Bytes of one hidden-state tensor: the output of the token embedding, as traced."""
-    embedding = single.structure.input_embedding
-    produced = (row for row in single.storages.values() if row.producer is not None and row.module == embedding)
-    return max((row.nbytes for row in produced), default=0)
+def _collective_seconds(collective: Collective, layout: Layout, cluster: Cluster) -> float:
+    size, stride = (layout.tp, 1) if collective.group == TENSOR_PARALLEL else (layout.dp, layout.tp)
+    return BUS_FACTORS[collective.kind](size) * collective.nbytes / cluster.group_bytes_per_second(size, stride)
 
 
 def _phase_seconds(

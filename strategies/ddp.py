@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strategies.collectives import gradient_bytes, recorded
 from strategies.rewrite import Rewrite
-from tracer.graph import StepGraph
-from tracer.roles import Role
+from tracer.graph import ALL_REDUCE, DATA_PARALLEL, Collective, StepGraph
+from tracer.roles import Phase, Role
 from tracer.training import TrainingSetup
 
 FIRST_BUCKET_BYTES = 1024**2
@@ -68,4 +69,18 @@ class Ddp:
         return [0]
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
-        return ddp(step)
+        return recorded(ddp(step), gradient_all_reduce(step))
+
+
+def gradient_all_reduce(step: StepGraph) -> Collective:
+    """DDP all-reduces each bucket as its gradients become ready, in the backward of the last micro-step (the
+    loop runs the others under ``no_sync``)."""
+    return Collective(
+        ALL_REDUCE,
+        DATA_PARALLEL,
+        gradient_bytes(step),
+        Phase.BACKWARD,
+        every_micro_step=False,
+        overlapped=True,
+        what="gradient buckets, during the last micro-step's backward",
+    )

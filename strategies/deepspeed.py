@@ -30,8 +30,19 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
+from strategies.collectives import gradient_bytes, parameter_bytes, recorded, sharded_data_parallel
 from strategies.rewrite import Point, Rewrite, unit_windows
-from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
+from tracer.graph import (
+    ALL_GATHER,
+    DATA_PARALLEL,
+    DEVICE_TO_HOST,
+    HOST_TO_DEVICE,
+    REDUCE_SCATTER,
+    Collective,
+    StepGraph,
+    StorageRow,
+    Transfer,
+)
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
 from tracer.training import TrainingSetup
@@ -97,7 +108,35 @@ class DeepSpeedZero:
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         plan = DeepSpeedPlan(self.stage, self.world, rank, self.offload_optimizer, self.offload_params)
-        return deepspeed(step, plan)
+        return recorded(deepspeed(step, plan), *self.collectives(step))
+
+    def collectives(self, step: StepGraph) -> list[Collective]:
+        """Stage 3 gathers and reduces per module like FSDP2 (``overlap_comm`` is on by default for it). Below
+        stage 3 ``overlap_comm`` is off: gradients are reduced on the compute stream (every micro-step for stage
+        2, at the accumulation boundary for stage 1) and the updated 16-bit partitions all-gathered after the
+        optimizer step."""
+        if self.stage == 3:
+            return sharded_data_parallel(step, reshard_after_forward=True, reduce_bytes=None)
+        return [
+            Collective(
+                REDUCE_SCATTER,
+                DATA_PARALLEL,
+                gradient_bytes(step),
+                Phase.BACKWARD,
+                every_micro_step=self.stage == 2,
+                overlapped=False,
+                what="gradient buckets, on the compute stream",
+            ),
+            Collective(
+                ALL_GATHER,
+                DATA_PARALLEL,
+                parameter_bytes(step),
+                Phase.OPTIMIZER,
+                every_micro_step=False,
+                overlapped=False,
+                what="updated 16-bit partitions after the optimizer step",
+            ),
+        ]
 
 
 def deepspeed(step: StepGraph, plan: DeepSpeedPlan) -> StepGraph:

@@ -29,6 +29,7 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
+from strategies.collectives import recorded, sharded_data_parallel
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
@@ -89,7 +90,9 @@ class Fsdp2:
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         mixed = setup.mixed_precision is not None
-        return fsdp(step, FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload))
+        sharded = fsdp(step, FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload))
+        reduce_bytes = FLOAT32_BYTES if mixed else None  # MixedPrecisionPolicy(reduce_dtype=float32)
+        return recorded(sharded, *sharded_data_parallel(step, self.reshard_after_forward, reduce_bytes))
 
 
 def fsdp(step: StepGraph, plan: FsdpPlan) -> StepGraph:

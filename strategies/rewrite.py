@@ -134,7 +134,13 @@ class Rewrite:
                 freed_after=None if last is None else index_of[last],
                 users=tuple(renumbered[u] for u in row.users),
             )
-        return StepGraph(ops=ops, storages=rows, structure=self.step.structure, transfers=self.transfers)
+        return StepGraph(
+            ops=ops,
+            storages=rows,
+            structure=self.step.structure,
+            transfers=self.transfers,
+            collectives=list(self.step.collectives),
+        )
 
 
 def _point(index: int | None) -> Point | None:

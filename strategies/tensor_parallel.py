@@ -36,10 +36,11 @@ from functools import cache
 
 from transformers import PretrainedConfig
 
+from strategies.collectives import recorded
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
-from tracer.graph import StepGraph, StorageRow
+from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 from tracer.training import TrainingSetup
@@ -118,7 +119,22 @@ class TensorParallel:
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         sequence = setup.seq_len if self.sequence_parallel else None
         plan = megatron_plan(step.structure, self.degree, rank, self.gathered_output, sequence_length=sequence)
-        return tensor_parallel(step, plan)
+        return recorded(tensor_parallel(step, plan), activation_all_reduce(step))
+
+
+def activation_all_reduce(step: StepGraph) -> Collective:
+    """Megatron's pattern, on the compute stream: each layer all-reduces its attention and MLP outputs in forward
+    and their input gradients in backward (again in forward when recomputed), plus the embedding's output and
+    the lm_head's input gradient; one hidden-state tensor each (sequence parallelism's all-gather and
+    reduce-scatter pair moves the same bytes)."""
+    recomputed = any(op.recompute for op in step.ops)
+    embedding = step.structure.input_embedding
+    produced = (row.nbytes for row in step.storages.values() if row.producer is not None and row.module == embedding)
+    hidden_state = max(produced, default=0)
+    count = (6 if recomputed else 4) * len(step.structure.blocks) + 2
+    return Collective(
+        ALL_REDUCE, TENSOR_PARALLEL, count * hidden_state, Phase.FORWARD, True, False, "layer outputs and gradients"
+    )
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ def test_accumulated_step_time_is_its_micro_steps_plus_one_optimizer_step(layout
         prepared = prepare(layout, setup, model.config)
         single = build_graph(trace_step(model, prepared.traced))
         rank_step = prepared.rank_step(single, Rank())
-        return step_time(single, rank_step, layout, cluster, "bfloat16", accumulation), rank_step
+        return step_time(rank_step, layout, cluster, "bfloat16", accumulation), rank_step
 
     extrapolated, _ = timed(4)
     with monkeypatch.context() as patched:
@@ -116,7 +116,7 @@ def test_nothing_fits_names_a_change_that_would():
     """Model states of ~200 MB on one GPU of 0.5 GiB, 0.43 GiB of it CUDA context and cuBLAS workspace:
     nothing fits one GPU, and sharding over more GPUs is the change named."""
     model = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4)
-    gpu = dataclasses.replace(find_gpu("h100"), memory_gib=0.5)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
     result = plan(model, SETUP, 1, Cluster(gpu), MemoryBudget(gpu.memory_bytes), offload=False)
     assert result.best is None
     assert any("--gpus" in suggestion for suggestion in result.suggestions), result.suggestions

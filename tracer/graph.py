@@ -60,16 +60,39 @@ class Transfer:
     overlaps: str  # what the copy can run alongside, or "" if the step waits for it
 
 
+ALL_REDUCE = "all-reduce"
+ALL_GATHER = "all-gather"
+REDUCE_SCATTER = "reduce-scatter"
+DATA_PARALLEL = "data parallel"
+TENSOR_PARALLEL = "tensor parallel"
+
+
+@dataclass(frozen=True)
+class Collective:
+    """A collective a strategy's runtime issues in one step. ``nbytes`` is the whole tensor the group reduces
+    or gathers (each rank moves a ring fraction of it); the step time sums these records."""
+
+    kind: str  # ALL_REDUCE, ALL_GATHER or REDUCE_SCATTER
+    group: str  # DATA_PARALLEL or TENSOR_PARALLEL
+    nbytes: int
+    phase: Phase
+    every_micro_step: bool  # False: once per optimizer step (DDP reduces only in the last micro-step's backward)
+    overlapped: bool  # runs alongside its phase's compute (bucketed or prefetched), else the step waits for it
+    what: str
+
+
 @dataclass
 class StepGraph:
     """One recorded step, the unit every layer passes on: its ops in execution order, the storages they make,
     read and free (exact bytes, role, lifetime), the model's structure (decoder blocks, embeddings), and the
-    host transfers a strategy adds. Strategies return the StepGraph of one rank; analysis passes read it."""
+    host transfers and collectives a strategy adds. Strategies return the StepGraph of one rank; analysis
+    passes read it."""
 
     ops: list[Op]
     storages: dict[int, StorageRow]
     structure: ModelStructure = field(default_factory=ModelStructure)
     transfers: list[Transfer] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
 
     def made_in(self, row: StorageRow, phase: Phase) -> bool:
         """Whether the storage was created by an op of ``phase`` (False if it existed before the step)."""

@@ -1,0 +1,60 @@
+"""What a data- or tensor-parallel runtime moves between GPUs, recorded on the rank's step (``StepGraph.collectives``)
+so that the step time sums what each runtime issues instead of re-deriving it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tracer.graph import ALL_GATHER, DATA_PARALLEL, REDUCE_SCATTER, Collective, StepGraph
+from tracer.roles import Phase, Role
+from tracer.trace import element_size as element_size_of
+
+
+def parameter_bytes(step: StepGraph) -> int:
+    """Bytes of the parameters a rank holds on the device (the shards of tensor parallelism, if any)."""
+    return sum(row.nbytes for row in step.storages.values() if row.role is Role.PARAMETER and row.on_device)
+
+
+def gradient_bytes(step: StepGraph, element_size: int | None = None) -> int:
+    """Bytes of the gradients a rank reduces: one per trained parameter, the size of the rank's parameter (its
+    tensor-parallel shard: DTensor's full-size embedding gradient is redistributed to a shard before the
+    optimizer sees it), in the gradient's dtype or in ``element_size`` bytes per element where a runtime
+    reduces in another dtype (FSDP2's ``reduce_dtype=float32``)."""
+    parameters = {row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param}
+    total = 0
+    for row in step.storages.values():
+        if row.role is Role.GRADIENT:
+            numel = parameters[row.param].numel if row.param in parameters else row.numel
+            total += numel * (element_size or element_size_of(row.dtype))
+    return total
+
+
+def recorded(step: StepGraph, *collectives: Collective) -> StepGraph:
+    """``step`` with ``collectives`` added to what it already issues."""
+    return dataclasses.replace(step, collectives=[*step.collectives, *collectives])
+
+
+def sharded_data_parallel(step: StepGraph, reshard_after_forward: bool, reduce_bytes: int | None) -> list[Collective]:
+    """FSDP2 and DeepSpeed ZeRO-3 every micro-step: all-gather each unit's parameters before its forward (and
+    again before its backward when resharded after forward), reduce-scatter its gradients after its backward,
+    each prefetched or issued on a side stream alongside the compute of the next unit. ``reduce_bytes``: the
+    element size of the reduction, None for the gradients' own."""
+    parameters = parameter_bytes(step)
+    gathers = [Phase.FORWARD, Phase.BACKWARD] if reshard_after_forward else [Phase.FORWARD]
+    return [
+        *(
+            Collective(
+                ALL_GATHER, DATA_PARALLEL, parameters, phase, True, True, f"parameters before each {phase.value}"
+            )
+            for phase in gathers
+        ),
+        Collective(
+            REDUCE_SCATTER,
+            DATA_PARALLEL,
+            gradient_bytes(step, reduce_bytes),
+            Phase.BACKWARD,
+            True,
+            True,
+            "gradients after each unit's backward",
+        ),
+    ]
