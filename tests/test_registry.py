@@ -56,6 +56,37 @@ PUBLISHED_PARAMETERS = {
     "bigcode/octocoder": 15.5e9,
 }
 
+# 2025-2026 models, as their cards or reports round them: (published total, rounding step). The model's own
+# parameters: DeepSeek's 14B multi-token-prediction module is not part of the causal LM (its card: "671B of
+# the Main Model weights"), tied embeddings count once. The figures: Qwen3 cards' "Number of Parameters";
+# gpt-oss model card (arXiv 2508.10925, Table 1); Gemma 3 report (arXiv 2503.19786, Table 1); Mistral's
+# Mixtral 8x22B and Nemo announcements; Kimi K2's card ("Total Parameters 1T"); Phi-4-mini's card ("3.8B");
+# the SmolLM2/3 cards. Where the configs come from: tracer/configs/SOURCES.md.
+PUBLISHED_ROUNDED = {
+    "Qwen/Qwen3-0.6B": (0.6e9, 0.1e9),
+    "Qwen/Qwen3-1.7B": (1.7e9, 0.1e9),
+    "Qwen/Qwen3-8B": (8.2e9, 0.1e9),
+    "Qwen/Qwen3-14B": (14.8e9, 0.1e9),
+    "Qwen/Qwen3-32B": (32.8e9, 0.1e9),
+    "Qwen/Qwen3-30B-A3B": (30.5e9, 0.1e9),
+    "Qwen/Qwen3-235B-A22B": (235e9, 1e9),
+    "deepseek-ai/DeepSeek-V3": (671e9, 1e9),
+    "deepseek-ai/DeepSeek-R1": (671e9, 1e9),
+    "mistralai/Mixtral-8x22B-v0.1": (141e9, 1e9),
+    "moonshotai/Kimi-K2-Instruct": (1.0e12, 0.1e12),
+    "openai/gpt-oss-20b": (20.91e9, 0.01e9),
+    "openai/gpt-oss-120b": (116.83e9, 0.01e9),
+    "google/gemma-3-1b-it": (1000e6, 1e6),  # 302M embedding + 698M non-embedding
+    "microsoft/Phi-4-mini-instruct": (3.8e9, 0.1e9),
+    "mistralai/Mistral-Nemo-Base-2407": (12e9, 1e9),
+    "HuggingFaceTB/SmolLM2-135M": (135e6, 1e6),
+    "HuggingFaceTB/SmolLM2-360M": (360e6, 10e6),
+    "HuggingFaceTB/SmolLM2-1.7B": (1.7e9, 0.1e9),
+    "HuggingFaceTB/SmolLM3-3B": (3e9, 1e9),
+}
+# The same architecture as a model checked above (Llama 3.3's card: the Llama 3.1 70B architecture).
+SAME_ARCHITECTURE = {"meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B"}
+
 REQUIRED = [
     *PUBLISHED_PARAMETERS,
     "Salesforce/codegen-350M-mono",
@@ -81,6 +112,24 @@ def test_bundled_config_builds_the_published_size(model_id):
         model = build_model(config, TrainingSetup())
     count = sum(p.numel() for p in model.parameters())
     assert abs(count - PUBLISHED_PARAMETERS[model_id]) / PUBLISHED_PARAMETERS[model_id] < 0.005, count
+
+
+def _parameters(model_id: str) -> int:
+    with torch.device("meta"):
+        model = build_model(resolve_model(model_id).config, TrainingSetup())
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_id", list(PUBLISHED_ROUNDED))
+def test_new_configs_build_the_published_size_as_rounded(model_id):
+    published, step = PUBLISHED_ROUNDED[model_id]
+    count = _parameters(model_id)
+    assert abs(count - published) <= step / 2, count
+
+
+@pytest.mark.parametrize(("model_id", "same_as"), list(SAME_ARCHITECTURE.items()))
+def test_same_architecture(model_id, same_as):
+    assert _parameters(model_id) == _parameters(same_as)
 
 
 def test_every_bundled_config_builds():
