@@ -61,7 +61,9 @@ def test_llmem_covers_data_parallel_only():
     assert llmem(shape, SETUP, Layout(gpus=4, zero=3)).total > 0
 
 
-@pytest.mark.parametrize("layout", [{}, {"gpus": 2, "zero": 3}], ids=["one-gpu", "fsdp"])
+@pytest.mark.parametrize(
+    "layout", [{}, pytest.param({"gpus": 2, "zero": 3}, marks=pytest.mark.slow)], ids=["one-gpu", "fsdp"]
+)
 def test_ground_truth_harness_runs_a_case(tmp_path, layout):
     config = tmp_path / "config.json"
     tiny_model("llama").config.to_json_file(config)

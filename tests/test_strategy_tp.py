@@ -43,14 +43,14 @@ def _check(
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gpt_neox"])
 def test_tensor_parallel_matches_the_runtime(family, degree, gathered):
     _check(family, degree, gathered=gathered)
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
 def test_sequence_parallel_matches_the_runtime(family, degree, gathered):
     """torchtitan's layout: reduce-scatter into sequence slices, gather at the attention, MLP and lm_head.

@@ -180,8 +180,6 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
     ("layout", "options"),
     [
         (Layout(gpus=4, zero=3), {"lora": ADAPTERS}),
-        (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
-        (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full", "reentrant": True}),
         (
             Layout(gpus=4, zero=3),
             {"lora": ADAPTERS, "mixed_precision": "bf16", "grad_checkpointing": "full", "reentrant": True},
@@ -192,6 +190,8 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
         *(
             pytest.param(layout, options, marks=pytest.mark.slow)
             for layout, options in (
+                (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
+                (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full", "reentrant": True}),
                 (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
                 (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "grad_accum": 2}),
                 (Layout(gpus=2, tp=2), {"grad_accum": 2}),
