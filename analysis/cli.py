@@ -28,6 +28,7 @@ from tracer.training import (
 )
 
 EXIT_USER_ERROR = 2
+GENERATE_LOGITS_TO_KEEP = 1  # generate() computes the prefill's logits at the last position only
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,15 +157,22 @@ def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = 
         help="tokens per sequence (default 1024)",
     )
     parser.add_argument(
-        "--dtype", choices=DTYPES, default=defaults.dtype, help="dtype of the stored parameters (default fp32)"
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="dtype of the stored parameters: given alone, the whole step runs in it (pure bf16 or fp16, or "
+        "plain fp32). Default: fp32 under --mixed-precision for training; bf16 (fp16 on GPUs without bf16) for "
+        "inference and for quantized base weights, the dtype checkpoints are served and computed in",
     )
     parser.add_argument(
         "--mixed-precision",
-        choices=("bf16", "fp16"),
+        choices=("bf16", "fp16", "off"),
         default=None,
         help="run the forward under autocast in this dtype, with fp32 weights, gradients and optimizer states "
         "(fp16 adds a GradScaler); under FSDP2 (--zero 2, 3) or DeepSpeed, their own mixed precision instead: "
-        "low-precision compute, fp32 shards or master weights; default: off",
+        "low-precision compute, fp32 shards or master weights. Default for training without --dtype: bf16 "
+        "(fp16 on GPUs without bf16), the recipe of the HF Trainer's bf16=True that fine-tuning runs use; "
+        "off for plain fp32",
     )
     parser.add_argument(
         "--optimizer",
@@ -233,15 +241,15 @@ def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
         "--logits-to-keep",
         type=count(minimum=0, maximum=MAX_SEQ_LEN),
         default=None,
-        help="prefill computes the logits of the last N positions only; 0 (default) is the forward's default, all "
-        "positions; generate() passes 1 for models that accept it",
+        help="prefill computes the logits of the last N positions only (0: all, the plain forward's default); "
+        "default 1, as generate() passes it",
     )
     group.add_argument(
         "--quantize",
         choices=("int8", "int4", "nf4"),
         default=None,
         help="weights stored as bitsandbytes stores them: LLM.int8(), FP4 or NF4 (blocksize 64, double "
-        "quantization); compute in --dtype bf16 or fp16",
+        "quantization); computing in bf16 unless --dtype fp16 (fp16 on GPUs without bf16)",
     )
 
 
@@ -250,9 +258,12 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--grad-checkpointing",
         choices=CHECKPOINTING,
+        nargs="?",
+        const="full",
         default=None,
         help="recompute activations in backward: full = every decoder layer (model.gradient_checkpointing_enable), "
-        "selective = the attention of every decoder layer; default: off",
+        "selective = the attention of every decoder layer; the bare flag means full, as HF's "
+        "gradient_checkpointing=True does; default: off",
     )
     group.add_argument(
         "--reentrant", action="store_true", help="with --grad-checkpointing full: use_reentrant=True (default False)"
@@ -286,7 +297,7 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         "--qlora",
         action="store_true",
         help="QLoRA: NF4 base weights with double quantization (bitsandbytes), LoRA adapters (rank 8 unless "
-        "--lora-r); compute in --dtype bf16 or fp16",
+        "--lora-r); computing in bf16 unless --dtype fp16 (fp16 on GPUs without bf16)",
     )
     quantization.add_argument(
         "--load-in-8bit",
@@ -545,14 +556,17 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         )
     inference = {
         name: _given(getattr(args, name), getattr(defaults, name))
-        for name in ("mode", "max_new_tokens", "cache", "logits_to_keep")
+        for name in ("mode", "max_new_tokens", "cache")
         if hasattr(args, name)
     }
+    if hasattr(args, "logits_to_keep"):
+        inference["logits_to_keep"] = _given(args.logits_to_keep, GENERATE_LOGITS_TO_KEEP)
+    dtype, mixed_precision = _precision(args, quantized=quantize is not None)
     return TrainingSetup(
         batch_size=getattr(args, "batch_size", 1),
         seq_len=args.seq_len,
-        dtype=args.dtype,
-        mixed_precision=args.mixed_precision,
+        dtype=dtype,
+        mixed_precision=mixed_precision,
         optimizer=_given(args.optimizer, defaults.optimizer),
         attn=args.attn,
         target=Target(getattr(args, "target", Target.CUDA.value)),
@@ -568,6 +582,23 @@ def _setup(args: argparse.Namespace) -> TrainingSetup:
         **inference,
         expandable_segments=_expandable_segments(args),
     )
+
+
+def _precision(args: argparse.Namespace, quantized: bool) -> tuple[str, str | None]:
+    """(--dtype, --mixed-precision) with the defaults people run: training in the HF Trainer's bf16 recipe
+    (fp32 weights, bf16 autocast); inference and quantized base weights in bf16; fp16 instead of bf16 on a GPU
+    without bf16 (V100, T4)."""
+    from tracer.gpus import find_gpu
+
+    if args.mixed_precision == "off":
+        return args.dtype or "fp32", None
+    if args.mixed_precision is not None or args.dtype is not None:
+        return args.dtype or "fp32", args.mixed_precision
+    cuda = getattr(args, "target", Target.CUDA.value) == Target.CUDA.value
+    low = "fp16" if cuda and find_gpu(args.gpu or TrainingSetup.gpu).bf16_tflops is None else "bf16"
+    if quantized or getattr(args, "mode", "train") == "inference":
+        return low, None
+    return "fp32", low
 
 
 def _given(value, default):

@@ -269,3 +269,26 @@ def test_deepspeed_report(tmp_path, capsys, stage):
     report = json.loads(out)
     assert f"DeepSpeed ZeRO-{stage}" in report["setup"]["data_parallel"]
     assert "fp32 master weights" in report["setup"]["mixed_precision_recipe"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "mixed_precision"),
+    [
+        ([], "fp32", "bf16"),  # the HF Trainer's bf16=True recipe
+        (["--gpu", "t4"], "fp32", "fp16"),  # no bf16 on sm75
+        (["--dtype", "bf16"], "bf16", None),
+        (["--mixed-precision", "off"], "fp32", None),
+        (["--qlora"], "bf16", None),
+        (["--mode", "inference"], "bf16", None),
+    ],
+)
+def test_default_precision_is_what_people_run(tmp_path, capsys, flags, dtype, mixed_precision):
+    code, out, _ = _run(capsys, "analyze", str(_config_file(tmp_path)), "--seq-len", "16", "--json", *flags)
+    setup = json.loads(out)["setup"]
+    assert code == 0 and (setup["dtype"], setup.get("mixed_precision")) == (dtype, mixed_precision)
+
+
+def test_bare_grad_checkpointing_means_full(tmp_path, capsys):
+    argv = ["analyze", str(_config_file(tmp_path)), "--seq-len", "16", "--json", "--grad-checkpointing"]
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and json.loads(out)["setup"]["grad_checkpointing"] == "full"

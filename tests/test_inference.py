@@ -169,7 +169,8 @@ def test_sweep_table_marks_what_fits(capsys, tmp_path):
     assert main([*argv, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert [(p["seq-len"], p["batch"]) for p in result["points"]] == [(16, 1), (16, 2), (32, 1), (32, 2)]
-    single = analyze(str(config), TrainingSetup(mode="inference", seq_len=32, batch_size=2))
+    cli_defaults = dict(dtype="bf16", logits_to_keep=1)  # inference in bf16, last-position logits as generate()
+    single = analyze(str(config), TrainingSetup(mode="inference", seq_len=32, batch_size=2, **cli_defaults))
     assert result["points"][-1]["peak_bytes"] == single.peak_bytes
     assert all(p["fits"] for p in result["points"])
     assert main(argv) == 0
@@ -190,7 +191,7 @@ def test_sweep_reports_none_that_fits(monkeypatch, capsys):
     [
         ["--mode", "inference", "--gpus", "2"],
         ["--mode", "inference", "--lora-r", "8"],
-        ["--mode", "inference", "--quantize", "nf4"],
+        ["--mode", "inference", "--quantize", "nf4", "--dtype", "fp32"],
         ["--mode", "inference", "--cache", "paged"],
         ["--sweep", "max-new-tokens=2"],
         ["--sweep", "seq-len=0"],
