@@ -678,7 +678,16 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from analysis.estimate import allocator_config
-    from analysis.export import FORMATS, timeline_rows, write_csv, write_html, write_json, write_png, write_snapshot
+    from analysis.export import (
+        FORMATS,
+        setup_summary,
+        timeline_rows,
+        write_csv,
+        write_html,
+        write_json,
+        write_png,
+        write_snapshot,
+    )
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
     from tracer.units import format_bytes
@@ -697,7 +706,8 @@ def _run_timeline(args: argparse.Namespace) -> int:
     result = _estimate(args, model, setup, _layout(args))
     report = result.report
     rows = timeline_rows(result.step, result.line)
-    title = f"{model.model_id}: {report.layout.describe() if not report.layout.plain else 'one GPU'}"
+    where = report.layout.describe() if not report.layout.plain else "one GPU"
+    title = f"{model.model_id}, {setup_summary(setup)}: {where}"
     if path.suffix == ".csv":
         write_csv(rows, path)
     elif path.suffix == ".json":

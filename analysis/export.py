@@ -16,9 +16,27 @@ from analysis.peak import Timeline
 from analysis.replay import replay_step
 from tracer.graph import StepGraph
 from tracer.roles import Role
+from tracer.training import TrainingSetup
 from tracer.units import GIB
 
 FORMATS = (".png", ".html", ".csv", ".json", ".pickle")
+
+# One colour per category in every plot and page, so that a category looks the same from one run to the next
+# (Tableau 10, then greys for what is rarely large).
+ROLE_COLOURS = {
+    Role.PARAMETER: "#4e79a7",
+    Role.BUFFER: "#bab0ac",
+    Role.GRADIENT: "#f28e2b",
+    Role.OPTIMIZER_STATE: "#e15759",
+    Role.INPUT: "#9c755f",
+    Role.ACTIVATION: "#76b7b2",
+    Role.TEMPORARY: "#edc948",
+    Role.WORKSPACE: "#b07aa1",
+    Role.COMMUNICATION: "#ff9da7",
+    Role.KV_CACHE: "#59a14f",
+    Role.ALLOCATOR_SLACK: "#d3d3d3",
+}
+PNG_COLUMNS = 1400  # about the plot's width in pixels at 12 inches and 120 dpi
 
 
 def timeline_rows(step: StepGraph, line: Timeline) -> list[dict[str, Any]]:
@@ -63,6 +81,23 @@ def write_json(rows: list[dict[str, Any]], path: Path, summary: dict[str, Any]) 
     path.write_text(json.dumps({"summary": summary, "ops": rows}))
 
 
+def setup_summary(setup: TrainingSetup) -> str:
+    """The setup in a few words, for a title: "batch 4 x 1024 tokens, fp32 + bf16 autocast, adamw, full
+    checkpointing"."""
+    if setup.mode == "inference":
+        precision = setup.quantize or setup.dtype
+        return f"inference, batch {setup.batch_size} x {setup.seq_len} tokens + {setup.max_new_tokens} new, {precision}"
+    precision = f"{setup.dtype} + {setup.mixed_precision} autocast" if setup.mixed_precision else setup.dtype
+    parts = [f"batch {setup.batch_size} x {setup.seq_len} tokens", precision, setup.optimizer]
+    if setup.grad_checkpointing:
+        parts.append(f"{setup.grad_checkpointing} checkpointing")
+    if setup.lora:
+        parts.append(f"{'QLoRA' if setup.quantize == 'nf4' else 'LoRA'} r{setup.lora.r}")
+    if setup.grad_accum > 1:
+        parts.append(f"accumulation {setup.grad_accum}")
+    return ", ".join(parts)
+
+
 def _phase_spans(rows: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     spans: list[tuple[str, int, int]] = []
     for row in rows:
@@ -73,17 +108,39 @@ def _phase_spans(rows: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     return spans
 
 
+def column_maxima(rows: list[dict[str, Any]], columns: int) -> list[dict[str, Any]]:
+    """At most ``columns`` rows: of each run of consecutive ops one column wide, the op with the most live
+    memory, so that a one-op spike (the optimizer's temporaries, a logits copy) is drawn, not sampled away."""
+    if len(rows) <= columns:
+        return rows
+    width = len(rows) / columns
+    return [
+        max(rows[int(column * width) : int((column + 1) * width)], key=lambda row: row["live"])
+        for column in range(columns)
+    ]
+
+
 def write_png(rows: list[dict[str, Any]], path: Path, title: str, capacity: int | None = None) -> None:
-    """Stacked live bytes by category over the op index, phases shaded, the peak marked."""
+    """Stacked live bytes by category over the op index (each pixel column the largest of its ops), phases
+    shaded, the peak marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    roles = [role.value for role in Role if any(row[role.value] for row in rows)]
-    x = [row["index"] for row in rows]
+    present = [role for role in Role if any(row[role.value] for row in rows)]
+    roles = [role.value for role in present]
+    drawn = column_maxima(rows, PNG_COLUMNS)
+    x = [row["index"] for row in drawn]
     figure, axes = plt.subplots(figsize=(12, 5.5), dpi=120)
-    axes.stackplot(x, *[[row[role] / GIB for row in rows] for role in roles], labels=roles, alpha=0.85)
+    axes.stackplot(
+        x,
+        *[[row[role] / GIB for row in drawn] for role in roles],
+        labels=roles,
+        colors=[ROLE_COLOURS[role] for role in present],
+        alpha=0.85,
+        step="post",
+    )
     shades = ("#f2f2f2", "#ffffff")
     for number, (phase, first, last) in enumerate(_phase_spans(rows)):
         axes.axvspan(first, last + 1, color=shades[number % 2], zorder=-1)
@@ -114,8 +171,7 @@ _HTML = """<!doctype html><html><head><meta charset="utf-8"><title>$TITLE</title
 body{font:13px sans-serif;margin:16px}#info{white-space:pre;font-family:monospace;margin-top:8px;min-height:9em}
 canvas{border:1px solid #ccc}</style></head><body><h3>$TITLE</h3><canvas id="chart" width="1100" height="420">
 </canvas><div id="legend"></div><div id="info">Hover over the chart to see an op.</div><script>
-const data=$DATA;const roles=data.roles,rows=data.rows,colors=["#4e79a7","#f28e2b","#e15759","#76b7b2",
-"#59a14f","#edc948","#b07aa1","#ff9da7","#9c755f","#bab0ac","#86bcb6","#d37295"];
+const data=$DATA;const roles=data.roles,rows=data.rows,colors=data.colours;
 const canvas=document.getElementById("chart"),ctx=canvas.getContext("2d"),W=canvas.width,H=canvas.height,pad=40;
 const ceiling=Math.max(...rows.map(r=>r.live))*1.05||1;const x=i=>pad+(W-2*pad)*i/rows.length,
 y=v=>H-pad-(H-2*pad)*v/ceiling;function draw(){ctx.clearRect(0,0,W,H);const base=rows.map(()=>0);
@@ -136,8 +192,10 @@ r.op+"\\nmodule: "+(r.module||"(top level)")+"\\nallocates "+gib(r.allocated)+",
 
 def write_html(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     """One self-contained page (no network): the stacked chart on a canvas, an op's details on hover."""
-    roles = [role.value for role in Role if any(row[role.value] for row in rows)]
-    data = json.dumps({"roles": roles, "rows": rows}).replace("</", "<\\/")
+    present = [role for role in Role if any(row[role.value] for row in rows)]
+    colours = [ROLE_COLOURS[role] for role in present]
+    data = json.dumps({"roles": [role.value for role in present], "colours": colours, "rows": rows})
+    data = data.replace("</", "<\\/")
     path.write_text(_HTML.replace("$TITLE", title).replace("$DATA", data))
 
 

@@ -14,9 +14,10 @@ from torch.cuda import _memory_viz
 
 from analysis.cli import main
 from analysis.estimate import allocator_config, estimate
-from analysis.export import memory_snapshot, timeline_rows
+from analysis.export import ROLE_COLOURS, column_maxima, memory_snapshot, timeline_rows
 from analysis.modules import module_table
 from tests.tiny_models import tiny_model
+from tracer.roles import Role
 from tracer.training import TrainingSetup
 
 SETUP = TrainingSetup(batch_size=2, seq_len=32)
@@ -133,3 +134,24 @@ def test_html_page_opens_in_headless_chromium(config_path, tmp_path):
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "Uncaught" not in completed.stderr
     assert shot.stat().st_size > 10_000
+
+
+def test_each_pixel_column_draws_its_largest_op(result):
+    """A one-op spike survives the PNG's downsampling: each column is the op with the most live memory."""
+    rows = timeline_rows(result.step, result.line)
+    columns = len(rows) // 7
+    drawn = column_maxima(rows, columns)
+    assert len(drawn) == columns < len(rows)
+    assert max(row["live"] for row in drawn) == max(row["live"] for row in rows) == result.report.peak_bytes
+    assert column_maxima(rows, len(rows)) == rows
+
+
+def test_a_category_has_one_colour_in_every_plot(config_path, tmp_path):
+    assert set(ROLE_COLOURS) == set(Role) and len(set(ROLE_COLOURS.values())) == len(Role)
+    out = tmp_path / "t.html"
+    argv = ["timeline", config_path, "--seq-len", "32", "--batch-size", "2", "-o", str(out), "--quiet"]
+    assert main(argv) == 0
+    page = out.read_text()
+    data = json.loads(page.split("const data=")[1].split(";const roles")[0])
+    assert data["colours"] == [ROLE_COLOURS[Role(role)] for role in data["roles"]]
+    assert "batch 2 x 32 tokens, fp32 + bf16 autocast, adamw" in page.split("<title>")[1]  # the setup titles it
