@@ -66,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also print what each module (its path cut to DEPTH parts, e.g. 3 = model.layers.N) holds at the "
         "peak, and the 10 largest storages live there",
     )
+    analyze.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="also write the report as one self-contained page: the interactive timeline (zoom, hover for an op, "
+        "phases, the GPU's memory, the peak) and every section of the terminal report, with the per-module view",
+    )
     analyze.add_argument_group("sweep").add_argument(
         "--sweep",
         nargs="+",
@@ -655,35 +662,70 @@ def _run_analyze(args: argparse.Namespace) -> int:
     from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
+    page = _writable(args.html, "--html", (".html",)) if args.html else None
     setup = _setup(args)
     layout = _layout(args)
     gpu = find_gpu(setup.gpu)
     model = resolve_model(args.model)
     if args.sweep:
+        if page:
+            raise UserError("--html writes one step's report: drop it with --sweep.")
         return _run_sweep(args, model, setup, layout, gpu if setup.target is Target.CUDA else None)
     result = _estimate(args, model, setup, layout)
     report = result.report
     table = module_table(result.step, report.peak_op_index, args.by_module) if args.by_module else None
     budget = MemoryBudget(gpu.memory_bytes) if setup.target is Target.CUDA else None
+    verdict = budget.verdict(report, gpu.description) if budget else None
     if args.json:
         fit = {"fit": budget.to_json(report)} if budget else {}
         print(json.dumps(report.to_json() | fit | ({"by_module": table} if table else {}), indent=2))
     else:
-        verdict = budget.verdict(report, gpu.description) if budget else None
         print(render_text(report, verdict) + (f"\n\n{render_module_table(table)}" if table else ""))
+    if page:
+        _write_page(page, model, setup, result, verdict, gpu if setup.target is Target.CUDA else None)
+        _progress(args, f"Wrote {page}.")
     return 0
 
 
-def _run_timeline(args: argparse.Namespace) -> int:
+def _writable(name: str, flag: str, suffixes: tuple[str, ...]):
+    """The output path, checked before any tracing."""
     from pathlib import Path
 
+    path = Path(name)
+    if path.suffix not in suffixes:
+        raise UserError(f"{flag} {path}: the suffix picks the format; use one of {', '.join(suffixes)}.")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: folder {path.parent} does not exist.")
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path} cannot be written; choose a file in a folder you may write to.")
+    return path
+
+
+def _write_page(path, model, setup: TrainingSetup, result, verdict: str | None, gpu) -> None:
+    """The report page: the timeline, the terminal report and the per-layer view (modules to depth 3)."""
+    from analysis.export import setup_summary, timeline_rows
+    from analysis.modules import module_table, render_module_table
+    from analysis.report import render_text
+    from analysis.report_page import write_report_page
+
+    report = result.report
+    where = report.layout.describe() if not report.layout.plain else "one GPU"
+    sections = {
+        "Report": render_text(report, verdict),
+        "By module (depth 3)": render_module_table(module_table(result.step, report.peak_op_index, 3)),
+    }
+    rows = timeline_rows(result.step, result.line)
+    title = f"{model.model_id}, {setup_summary(setup)}: {where}"
+    write_report_page(path, title, rows, sections, gpu.memory_bytes if gpu else None, gpu.description if gpu else "")
+
+
+def _run_timeline(args: argparse.Namespace) -> int:
     from analysis.estimate import allocator_config
     from analysis.export import (
         FORMATS,
         setup_summary,
         timeline_rows,
         write_csv,
-        write_html,
         write_json,
         write_png,
         write_snapshot,
@@ -692,13 +734,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     from tracer.resolve import resolve_model
     from tracer.units import format_bytes
 
-    path = Path(args.output)
-    if path.suffix not in FORMATS:
-        raise UserError(f"-o {path}: the suffix picks the format; use one of {', '.join(FORMATS)}.")
-    if not path.parent.is_dir():
-        raise UserError(f"-o {path}: folder {path.parent} does not exist.")
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"-o {path} cannot be written; choose a file in a folder you may write to.")
+    path = _writable(args.output, "-o", FORMATS)
     setup = _setup(args)
     if path.suffix == ".pickle" and setup.target is not Target.CUDA:
         raise UserError("A memory_viz snapshot describes the CUDA caching allocator: drop --target cpu.")
@@ -716,7 +752,11 @@ def _run_timeline(args: argparse.Namespace) -> int:
         capacity = find_gpu(setup.gpu).memory_bytes if args.gpu is not None else None
         write_png(rows, path, title, capacity)
     elif path.suffix == ".html":
-        write_html(rows, path, title)
+        from analysis.budget import MemoryBudget
+
+        gpu = find_gpu(setup.gpu) if setup.target is Target.CUDA else None
+        verdict = MemoryBudget(gpu.memory_bytes).verdict(report, gpu.description) if gpu else None
+        _write_page(path, model, setup, result, verdict, gpu)
     else:
         write_snapshot(result.step, path, allocator_config(setup))
     peak = format_bytes(report.peak_bytes)

@@ -1,5 +1,6 @@
-"""The estimated step as files to look at: per-op rows (CSV, JSON), a plot (PNG), an interactive page (HTML)
-and a snapshot in the format of ``torch.cuda.memory._snapshot`` for PyTorch's memory viewer (pickle)."""
+"""The estimated step as files to look at: per-op rows (CSV, JSON), a plot (PNG) and a snapshot in the format
+of ``torch.cuda.memory._snapshot`` for PyTorch's memory viewer (pickle). The interactive page is
+analysis/report_page.py."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ ROLE_COLOURS = {
     Role.KV_CACHE: "#59a14f",
     Role.ALLOCATOR_SLACK: "#d3d3d3",
 }
-PNG_COLUMNS = 1400  # about the plot's width in pixels at 12 inches and 120 dpi
+# About half the plot area's width in pixels (12 inches at 120 dpi): each column is 2 pixels wide, so a spike shows.
+PNG_COLUMNS = 600
 
 
 def timeline_rows(step: StepGraph, line: Timeline) -> list[dict[str, Any]]:
@@ -98,7 +100,7 @@ def setup_summary(setup: TrainingSetup) -> str:
     return ", ".join(parts)
 
 
-def _phase_spans(rows: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+def phase_spans(rows: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     spans: list[tuple[str, int, int]] = []
     for row in rows:
         if spans and spans[-1][0] == row["phase"]:
@@ -142,7 +144,7 @@ def write_png(rows: list[dict[str, Any]], path: Path, title: str, capacity: int 
         step="post",
     )
     shades = ("#f2f2f2", "#ffffff")
-    for number, (phase, first, last) in enumerate(_phase_spans(rows)):
+    for number, (phase, first, last) in enumerate(phase_spans(rows)):
         axes.axvspan(first, last + 1, color=shades[number % 2], zorder=-1)
         axes.text((first + last) / 2, 1.0, phase, transform=axes.get_xaxis_transform(), ha="center", va="bottom")
     peak = max(rows, key=lambda row: row["live"])
@@ -165,38 +167,6 @@ def write_png(rows: list[dict[str, Any]], path: Path, title: str, capacity: int 
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
-
-
-_HTML = """<!doctype html><html><head><meta charset="utf-8"><title>$TITLE</title><style>
-body{font:13px sans-serif;margin:16px}#info{white-space:pre;font-family:monospace;margin-top:8px;min-height:9em}
-canvas{border:1px solid #ccc}</style></head><body><h3>$TITLE</h3><canvas id="chart" width="1100" height="420">
-</canvas><div id="legend"></div><div id="info">Hover over the chart to see an op.</div><script>
-const data=$DATA;const roles=data.roles,rows=data.rows,colors=data.colours;
-const canvas=document.getElementById("chart"),ctx=canvas.getContext("2d"),W=canvas.width,H=canvas.height,pad=40;
-const ceiling=Math.max(...rows.map(r=>r.live))*1.05||1;const x=i=>pad+(W-2*pad)*i/rows.length,
-y=v=>H-pad-(H-2*pad)*v/ceiling;function draw(){ctx.clearRect(0,0,W,H);const base=rows.map(()=>0);
-roles.forEach((role,k)=>{ctx.beginPath();rows.forEach((r,i)=>ctx.lineTo(x(i),y(base[i]+r[role])));
-for(let i=rows.length-1;i>=0;i--)ctx.lineTo(x(i),y(base[i]));ctx.closePath();ctx.fillStyle=colors[k%colors.length];
-ctx.fill();rows.forEach((r,i)=>base[i]+=r[role]);});ctx.fillStyle="#000";ctx.fillText("GiB",4,pad-8);
-for(let t=0;t<=4;t++){const v=ceiling*t/4;ctx.fillText((v/2**30).toFixed(2),4,y(v));}
-ctx.fillText("op index",W/2,H-8);}draw();
-document.getElementById("legend").innerHTML=roles.map((r,k)=>'<span style="color:'+colors[k%colors.length]+
-'">&#9632;</span> '+r).join(" &nbsp; ");const gib=b=>(b/2**30).toFixed(3)+" GiB";
-canvas.addEventListener("mousemove",e=>{const i=Math.min(rows.length-1,Math.max(0,Math.floor((e.offsetX-pad)/
-(W-2*pad)*rows.length)));const r=rows[i];draw();ctx.strokeStyle="#000";ctx.beginPath();ctx.moveTo(x(i),pad);
-ctx.lineTo(x(i),H-pad);ctx.stroke();document.getElementById("info").textContent="op "+r.index+" ("+r.phase+"): "+
-r.op+"\\nmodule: "+(r.module||"(top level)")+"\\nallocates "+gib(r.allocated)+", frees "+gib(r.freed)+
-" after it\\nlive "+gib(r.live)+"\\n"+roles.filter(k=>r[k]).map(k=>"  "+k+": "+gib(r[k])).join("\\n");});
-</script></body></html>"""
-
-
-def write_html(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """One self-contained page (no network): the stacked chart on a canvas, an op's details on hover."""
-    present = [role for role in Role if any(row[role.value] for row in rows)]
-    colours = [ROLE_COLOURS[role] for role in present]
-    data = json.dumps({"roles": [role.value for role in present], "colours": colours, "rows": rows})
-    data = data.replace("</", "<\\/")
-    path.write_text(_HTML.replace("$TITLE", title).replace("$DATA", data))
 
 
 def memory_snapshot(step: StepGraph, config: AllocatorConfig) -> dict[str, Any]:
