@@ -791,7 +791,9 @@ def _run_sweep(args: argparse.Namespace, model, setup: TrainingSetup, layout, gp
 
     def on_point(done: int, total: int, values: dict[str, int]) -> None:
         point = ", ".join(f"{name} {value}" for name, value in values.items())
-        _progress(args, f"[{done + 1}/{total}] tracing {point} ({time.perf_counter() - start:.0f} s so far)")
+        elapsed = time.perf_counter() - start
+        left = f", about {elapsed / done * (total - done):.0f} s left" if done else ""
+        _progress(args, f"[{done + 1}/{total}] tracing {point} ({elapsed:.0f} s so far{left})")
 
     grid = " x ".join(f"{len(values)} {axis}" for axis, values in axes.items())
     _progress(args, f"Sweeping {grid} values of {model.model_id}, one trace each:")

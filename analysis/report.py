@@ -273,6 +273,8 @@ def render_text(report: MemoryReport, verdict: str | None = None) -> str:
         lines += ["", *_offload_lines(report)]
     lines += ["", "Assumptions:"]
     assumed = report.to_json()["setup"]
+    if assumed.get("optimizer_impl", "") is None:  # torch's choice, which optimizer_implementation names
+        del assumed["optimizer_impl"]
     lines.append(
         tabulate([(key, "none" if value is None else value) for key, value in assumed.items()], tablefmt="plain")
     )
