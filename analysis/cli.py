@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -444,11 +445,16 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.cpu_count() or 1,
         help="processes searching layouts (default: one per CPU)",
     )
+    group.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="also write the plan as one self-contained page: the table, then the recommended layout's report "
+        "and interactive timeline (one more trace)",
+    )
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from analysis.budget import MemoryBudget
     from analysis.plan import plan
     from analysis.plan_render import plan_json, render_plan
@@ -459,6 +465,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     if args.grad_accum != 1:
         raise UserError("plan picks the gradient accumulation itself: give --global-batch instead of --grad-accum.")
+    page = _writable(args.html, "--html", (".html",)) if args.html else None
     setup = _setup(args)
     gpu = find_gpu(setup.gpu)
     overrides = {}
@@ -491,7 +498,36 @@ def _run_plan(args: argparse.Namespace) -> int:
             on_progress=bar,
         )
     print(json.dumps(plan_json(result), indent=2) if args.json else render_plan(result))
+    if page:
+        _write_plan_page(args, page, model, result, gpu)
     return 0
+
+
+def _write_plan_page(args: argparse.Namespace, path, model, result, gpu) -> None:
+    """The plan's page: its table, and the recommended layout's report and timeline (one more trace)."""
+    from analysis.estimate import estimate
+    from analysis.plan_render import render_plan
+    from analysis.report_page import write_report_page
+    from strategies.layout import accumulation_modelled
+
+    best = result.best
+    sections = {"Plan": render_plan(result)}
+    if best is None:
+        write_report_page(path, f"{model.model_id}: plan on {result.gpus} x {gpu.description}", [], sections)
+        return
+    layout = best.candidate.layout
+    accumulation = best.accumulation if accumulation_modelled(layout) else 1
+    setup = dataclasses.replace(
+        result.setup,
+        batch_size=best.micro_batch,
+        grad_checkpointing=best.candidate.checkpointing,
+        grad_accum=accumulation,
+    )
+    _progress(args, f"Tracing the recommended layout for {path} ...")
+    recommended = estimate(model, setup, layout)
+    verdict = result.budget.verdict(recommended.report, gpu.description)
+    _write_page(path, model, setup, recommended, verdict, gpu, sections)
+    _progress(args, f"Wrote {path}.")
 
 
 def _run_gpus(args: argparse.Namespace) -> int:
@@ -701,8 +737,9 @@ def _writable(name: str, flag: str, suffixes: tuple[str, ...]):
     return path
 
 
-def _write_page(path, model, setup: TrainingSetup, result, verdict: str | None, gpu) -> None:
-    """The report page: the timeline, the terminal report and the per-layer view (modules to depth 3)."""
+def _write_page(path, model, setup: TrainingSetup, result, verdict: str | None, gpu, before=None) -> None:
+    """The report page: the timeline, the terminal report and the per-layer view (modules to depth 3), after
+    the sections ``before`` (heading -> text) if any."""
     from analysis.export import setup_summary, timeline_rows
     from analysis.modules import module_table, render_module_table
     from analysis.report import render_text
@@ -711,6 +748,7 @@ def _write_page(path, model, setup: TrainingSetup, result, verdict: str | None, 
     report = result.report
     where = report.layout.describe() if not report.layout.plain else "one GPU"
     sections = {
+        **(before or {}),
         "Report": render_text(report, verdict),
         "By module (depth 3)": render_module_table(module_table(result.step, report.peak_op_index, 3)),
     }
@@ -780,8 +818,6 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace, model, setup: TrainingSetup, layout, gpu) -> int:
-    import dataclasses
-
     from analysis.sweep import parse_sweep, render_sweep, run_sweep, sweep_json
 
     axes = parse_sweep(args.sweep, setup.mode)

@@ -89,6 +89,13 @@ def write_report_page(
         "capacity": capacity,
         "gpu": gpu,
     }
+    if not rows:  # nothing traced to draw (a plan where no layout fits)
+        page = f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        sections_html = "".join(
+            f"<h2>{html.escape(name)}</h2><pre>{html.escape(text)}</pre>" for name, text in sections.items()
+        )
+        path.write_text(page + sections_html + "</body></html>")
+        return
     blocks = "".join(f"<h2>{html.escape(name)}</h2><pre>{html.escape(text)}</pre>" for name, text in sections.items())
     page = _PAGE.replace("$TITLE", html.escape(title)).replace("$SECTIONS", blocks)
     path.write_text(page.replace("$DATA", json.dumps(data).replace("</", "<\\/")))

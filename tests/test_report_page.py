@@ -63,3 +63,14 @@ def test_the_page_works_in_a_headless_browser(page_path):
             page.screenshot(path=os.environ["REPORT_SCREENSHOT"], clip={"x": 0, "y": 0, "width": 1280, "height": 760})
         browser.close()
     assert errors == []
+
+
+def test_the_plan_page_has_the_table_and_the_recommended_layouts_report(tmp_path):
+    config = tmp_path / "config.json"
+    tiny_model("llama").config.to_json_file(config)
+    path = tmp_path / "plan.html"
+    argv = ["plan", str(config), "--gpus", "2", "--seq-len", "32", "--gpu-memory", "4GiB", "--quiet", "--no-offload"]
+    assert main([*argv, "--html", str(path)]) == 0
+    page = path.read_text()
+    assert "<h2>Plan</h2>" in page and "Recommended:" in page
+    assert "<h2>Report</h2>" in page and "Estimated peak allocated memory" in page and "<canvas" in page
