@@ -803,8 +803,10 @@ def _run_timeline(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
+    from analysis.budget import MemoryBudget
     from analysis.comparison import compare, comparison_json, render_comparison
     from analysis.formulas import formula_estimates, model_shape
+    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
     setup = _setup(args)
@@ -813,7 +815,13 @@ def _run_compare(args: argparse.Namespace) -> int:
     result = _estimate(args, model, setup, layout)
     shape = model_shape(model, setup)
     comparison = compare(result.report, result.step, result.line, shape, formula_estimates(shape, setup, layout))
-    print(json.dumps(comparison_json(comparison), indent=2) if args.json else render_comparison(comparison))
+    budget = MemoryBudget(find_gpu(setup.gpu).memory_bytes) if setup.target is Target.CUDA else None
+    if args.json:
+        fit = {"fit": budget.to_json(result.report)} if budget else {}
+        print(json.dumps(comparison_json(comparison) | fit, indent=2))
+    else:
+        verdict = budget.verdict(result.report, find_gpu(setup.gpu).description) if budget else None
+        print(render_comparison(comparison) + (f"\n\n{verdict}" if verdict else ""))
     return 0
 
 

@@ -106,6 +106,7 @@ def test_compare_prints_every_formula(config_path, capsys):
     out = capsys.readouterr().out
     for name in ("16 B/param", "DeepSpeed", "accelerate", "LLMem", "Korthikanti"):
         assert name in out
+    assert "Fits the NVIDIA H100 80GB" in out  # every report that knows its GPU gives the verdict
 
 
 def test_each_pixel_column_draws_its_largest_op(result):
