@@ -1,0 +1,552 @@
+"""The command line's flags: each command's arguments with their help, and what they mean as a
+:class:`TrainingSetup` and a :class:`Layout` (the defaults people run, flags that do not apply refused).
+analysis/cli.py runs the commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, rate, share
+from tracer.errors import UserError
+from tracer.gpus import PCIE_4_X16_GBPS
+from tracer.training import (
+    ATTENTIONS,
+    CACHES,
+    CHECKPOINTING,
+    DTYPES,
+    MODES,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    LoraSetup,
+    Target,
+    TrainingSetup,
+)
+
+GENERATE_LOGITS_TO_KEEP = 1  # generate() computes the prefill's logits at the last position only
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command and flag, with its help; ``args.command`` names the command."""
+    parser = OneLineParser(
+        prog="python -m tracer",
+        description="Predict the peak GPU memory of fine-tuning a Hugging Face decoder LLM, by tracing one "
+        "training step on fake tensors (nothing is allocated, nothing is downloaded).",
+    )
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+
+    analyze = commands.add_parser(
+        "analyze",
+        help="estimate the peak memory of one training step",
+        description="Estimate torch.cuda.max_memory_allocated of one steady-state training step: "
+        "loss = model(input_ids, labels=labels).loss; loss.backward(); optimizer.step(); "
+        "optimizer.zero_grad(set_to_none=True).",
+    )
+    _add_step_arguments(analyze)
+    _add_layout_arguments(analyze)
+    analyze.add_argument(
+        "--by-module",
+        type=count(maximum=64),
+        metavar="DEPTH",
+        default=None,
+        help="also print what each module (its path cut to DEPTH parts, e.g. 3 = model.layers.N) holds at the "
+        "peak, and the 10 largest storages live there",
+    )
+    analyze.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="also write the report as one self-contained page: the interactive timeline (zoom, hover for an op, "
+        "phases, the GPU's memory, the peak) and every section of the terminal report, with the per-module view",
+    )
+    analyze.add_argument_group("sweep").add_argument(
+        "--sweep",
+        nargs="+",
+        metavar="AXIS=V1,V2",
+        default=None,
+        help="estimate every combination of these values instead of one setup and print a table, e.g. "
+        "--sweep seq-len=512,2048,8192 batch=1,8,32; axes: batch, seq-len, max-new-tokens (inference); with "
+        "--target cuda, also which fit --gpu and the largest of each axis that does",
+    )
+    analyze.set_defaults(command="analyze")
+
+    measure = commands.add_parser(
+        "measure",
+        help="run the same step with real tensors and measure it",
+        description="Run two real training steps (random weights) and report the memory of the second: "
+        "torch.cuda.max_memory_allocated with --target cuda, tracked storage bytes with --target cpu.",
+    )
+    _add_step_arguments(measure)
+    measure.set_defaults(command="measure")
+
+    timeline = commands.add_parser(
+        "timeline",
+        help="write the estimated step op by op: a plot, a page, a table or a memory_viz snapshot",
+        description="Estimate as analyze does, then write live memory by category at every op of the busiest GPU. "
+        "The suffix of -o picks the format: .png (stacked plot, phases, the peak; the GPU's memory with --gpu), "
+        ".html (one self-contained interactive page), .csv / .json (one row per op), .pickle (a snapshot in the "
+        "format of torch.cuda.memory._dump_snapshot, for pytorch.org/memory_viz).",
+    )
+    timeline.add_argument(
+        "-o", "--output", required=True, metavar="FILE", help="file to write (.png .html .csv .json .pickle)"
+    )
+    _add_step_arguments(timeline)
+    _add_layout_arguments(timeline)
+    timeline.set_defaults(command="timeline")
+
+    compare = commands.add_parser(
+        "compare",
+        help="our estimate beside the analytic formulas people use",
+        description="Estimate as analyze does and print, beside it, the 16 bytes/parameter rule, DeepSpeed's "
+        "model-state estimator, accelerate's estimate-memory, LLMem's formulas and Korthikanti et al.'s "
+        "activation formula on the same setup, category by category (parameters, gradients, optimizer states, "
+        "activations, logits and loss, other), with one line explaining each difference of 5% of the peak or more: "
+        "what the formula assumes and what the trace holds instead.",
+    )
+    _add_step_arguments(compare)
+    _add_layout_arguments(compare)
+    compare.set_defaults(command="compare")
+
+    planner = commands.add_parser(
+        "plan",
+        help="rank every multi-GPU layout by training speed, each at the largest micro-batch that fits",
+        description="For MODEL on --gpus GPUs of one kind: every layout (DDP, ZeRO-1/2/3 as PyTorch and DeepSpeed "
+        "run them, every tensor-parallel degree that divides the GPUs and the heads, their products, optimizer "
+        "offload), each with and without full activation checkpointing; for each, the largest micro-batch whose "
+        "predicted reserved memory plus CUDA context fits the GPU less --margin, the gradient accumulation that "
+        "reaches --global-batch, and the step time and tokens/s; then one recommendation and why.",
+    )
+    _add_step_arguments(planner, searches_batch=True)
+    _add_plan_arguments(planner)
+    planner.set_defaults(command="plan")
+
+    gpus = commands.add_parser("gpus", help="list the GPU catalog (memory, throughput, bandwidth, interconnect)")
+    gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    gpus.set_defaults(command="gpus")
+
+    models = commands.add_parser("models", help="list the bundled model configs")
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.set_defaults(command="models")
+    return parser
+
+
+def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = False) -> None:
+    """The setup of the step; ``searches_batch``: the command picks the batch size (and trains on CUDA)."""
+    defaults = TrainingSetup()
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="a Hugging Face model id (bundled, cached or on the Hub), a config.json path, or a directory "
+        "holding config.json",
+    )
+    if not searches_batch:
+        parser.add_argument(
+            "--batch-size", type=count(), default=defaults.batch_size, help="sequences per step (default 1)"
+        )
+    parser.add_argument(
+        "--seq-len",
+        type=count(maximum=MAX_SEQ_LEN),
+        default=defaults.seq_len,
+        help="tokens per sequence (default 1024)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="dtype of the stored parameters: given alone, the whole step runs in it (pure bf16 or fp16, or "
+        "plain fp32). Default: fp32 under --mixed-precision for training; bf16 (fp16 on GPUs without bf16) for "
+        "inference and for quantized base weights, the dtype checkpoints are served and computed in",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=("bf16", "fp16", "off"),
+        default=None,
+        help="run the forward under autocast in this dtype, with fp32 weights, gradients and optimizer states "
+        "(fp16 adds a GradScaler); under FSDP2 (--zero 2, 3) or DeepSpeed, their own mixed precision instead: "
+        "low-precision compute, fp32 shards or master weights. Default for training without --dtype: bf16 "
+        "(fp16 on GPUs without bf16), the recipe of the HF Trainer's bf16=True that fine-tuning runs use; "
+        "off for plain fp32",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="torch.optim.AdamW (default), Adam, SGD with momentum 0.9, transformers' Adafactor (as the Trainer "
+        "builds it), or bitsandbytes' AdamW8bit",
+    )
+    parser.add_argument(
+        "--optimizer-impl",
+        choices=OPTIMIZER_IMPLS,
+        default=None,
+        help="implementation of torch's adamw/adam/sgd: foreach (multi-tensor, with temporaries for all "
+        "parameters at once), fused (one kernel, no temporaries) or for-loop; default: torch's choice for the "
+        "device (foreach on CUDA)",
+    )
+    parser.add_argument(
+        "--attn",
+        choices=ATTENTIONS,
+        default=defaults.attn,
+        help="attention implementation; sdpa (default) falls back to eager for models without an SDPA path",
+    )
+    if not searches_batch:
+        parser.add_argument(
+            "--target",
+            choices=[t.value for t in Target],
+            default=defaults.target.value,
+            help="reproduce what a CUDA GPU runs (default) or what the CPU runs (for comparing with measure on CPU)",
+        )
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU whose kernels and library workspaces are assumed with --target cuda (default h100); timeline "
+        "draws its memory",
+    )
+    parser.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the CUDA caching allocator with expandable segments, which changes reserved memory and how "
+        "blocks split (default: as PYTORCH_CUDA_ALLOC_CONF in this shell says, else off)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    parser.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    _add_variant_arguments(parser)
+    if not searches_batch:
+        _add_inference_arguments(parser)
+
+
+def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("inference", "With --mode inference: generation instead of a training step.")
+    group.add_argument(
+        "--mode",
+        choices=MODES,
+        default="train",
+        help="train (default): one training step; inference: under no_grad, the prefill of a --seq-len prompt and "
+        "the decode step of the last of --max-new-tokens tokens, with a KV cache",
+    )
+    group.add_argument(
+        "--max-new-tokens", type=count(), default=None, help="tokens generated after the prompt (default 1)"
+    )
+    group.add_argument(
+        "--cache", choices=CACHES, default=None, help="transformers' DynamicCache (default) or StaticCache"
+    )
+    group.add_argument(
+        "--logits-to-keep",
+        type=count(minimum=0, maximum=MAX_SEQ_LEN),
+        default=None,
+        help="prefill computes the logits of the last N positions only (0: all, the plain forward's default); "
+        "default 1, as generate() passes it",
+    )
+    group.add_argument(
+        "--quantize",
+        choices=("int8", "int4", "nf4"),
+        default=None,
+        help="weights stored as bitsandbytes stores them: LLM.int8(), FP4 or NF4 (blocksize 64, double "
+        "quantization); computing in bf16 unless --dtype fp16 (fp16 on GPUs without bf16)",
+    )
+
+
+def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fine-tuning variants")
+    group.add_argument(
+        "--grad-checkpointing",
+        choices=CHECKPOINTING,
+        nargs="?",
+        const="full",
+        default=None,
+        help="recompute activations in backward: full = every decoder layer (model.gradient_checkpointing_enable), "
+        "selective = the attention of every decoder layer; the bare flag means full, as HF's "
+        "gradient_checkpointing=True does; default: off",
+    )
+    group.add_argument(
+        "--reentrant", action="store_true", help="with --grad-checkpointing full: use_reentrant=True (default False)"
+    )
+    group.add_argument(
+        "--grad-accum",
+        type=count(),
+        default=1,
+        help="micro-steps per optimizer step (gradient accumulation, default 1)",
+    )
+    group.add_argument(
+        "--keep-outputs",
+        action="store_true",
+        help="your loop keeps the model's outputs through backward (outputs = model(**batch); "
+        "loss = outputs.loss, as accelerate's examples do): the logits and the key/value cache transformers "
+        "returns in training live until the next forward returns. Default: dropped before backward, as the "
+        "HF Trainer does",
+    )
+    group.add_argument(
+        "--lora-r", type=count(), default=None, help="train LoRA adapters of this rank (peft); default: off"
+    )
+    group.add_argument("--lora-alpha", type=count(), default=None, help="LoRA alpha (default 16)")
+    group.add_argument("--lora-dropout", type=share, default=None, help="LoRA dropout (default 0)")
+    group.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model)",
+    )
+    quantization = group.add_mutually_exclusive_group()
+    quantization.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA: NF4 base weights with double quantization (bitsandbytes), LoRA adapters (rank 8 unless "
+        "--lora-r); computing in bf16 unless --dtype fp16 (fp16 on GPUs without bf16)",
+    )
+    quantization.add_argument(
+        "--load-in-8bit",
+        action="store_true",
+        help="LLM.int8() base weights (bitsandbytes) with LoRA adapters (rank 8 unless --lora-r)",
+    )
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    from strategies.layout import ENGINES, OFFLOADS, TP_OUTPUTS, ZERO_STAGES
+
+    group = parser.add_argument_group(
+        "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
+    )
+    group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
+    group.add_argument(
+        "--tp",
+        type=count(),
+        default=1,
+        help="tensor-parallel degree: Megatron-style column/row-parallel attention and MLP, vocabulary-parallel "
+        "embedding and lm_head; must divide --gpus and the attention heads (default 1); the data-parallel "
+        "degree is gpus / tp",
+    )
+    group.add_argument(
+        "--zero",
+        type=int,
+        choices=ZERO_STAGES,
+        default=0,
+        help="ZeRO stage over the data-parallel group: 0 replicates everything (DDP), 1 shards optimizer "
+        "states, 2 also gradients, 3 also parameters (default 0)",
+    )
+    group.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="fsdp",
+        help="whose runtime is modelled: fsdp = PyTorch (DDP for --zero 0, DDP with ZeroRedundancyOptimizer "
+        "for 1, FSDP2 fully_shard for 2 and 3), deepspeed = DeepSpeed ZeRO with its default bucket sizes "
+        "(default fsdp)",
+    )
+    group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="with --tp: shard the norms, residual stream and dropout along the sequence (Megatron SP)",
+    )
+    group.add_argument(
+        "--offload",
+        choices=OFFLOADS,
+        default=None,
+        metavar="KIND",
+        help="keep in host memory: optimizer = the optimizer step and its state (DeepSpeed ZeRO-Offload, any "
+        "--zero, one GPU included); optimizer,params = that and the parameters (DeepSpeed ZeRO-Infinity with "
+        "--zero 3, or FSDP2's CPUOffloadPolicy with --zero 3); reports host memory and PCIe traffic",
+    )
+    group.add_argument(
+        "--pcie-gbps",
+        type=rate,
+        default=None,
+        help=f"with --offload: host link bandwidth each way in GB/s, for transfer times (default {PCIE_4_X16_GBPS}: "
+        "PCIe 4.0 x16)",
+    )
+    group.add_argument(
+        "--tp-output",
+        choices=TP_OUTPUTS,
+        default="parallel",
+        help="with --tp: keep the lm_head output sharded over the vocabulary and compute a vocabulary-parallel "
+        "loss (parallel, default), or all-gather the full logits on every GPU first, as ColossalAI's 1D TP and "
+        "transformers' colwise_gather_output plan do (gathered)",
+    )
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    from analysis.budget import DEFAULT_MARGIN
+    from analysis.steptime import GPUS_PER_NODE, HOST_OPTIMIZER_GBPS, INTERNODE_GBPS
+
+    group = parser.add_argument_group("cluster and budget")
+    group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
+    group.add_argument(
+        "--global-batch",
+        type=count(maximum=MAX_COUNT * 1024),
+        default=None,
+        help="sequences per optimizer step over all GPUs, reached by gradient accumulation; default: each layout "
+        "at its largest micro-batch without accumulation",
+    )
+    group.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory of each GPU, e.g. 80GiB or 24GB, instead of the --gpu catalog's",
+    )
+    group.add_argument(
+        "--margin",
+        type=share,
+        default=DEFAULT_MARGIN,
+        help=f"share of GPU memory kept free for what the estimate does not hold: NCCL buffers, side-stream pools, "
+        f"the estimate's error (default {DEFAULT_MARGIN})",
+    )
+    group.add_argument(
+        "--tflops", type=rate, default=None, help="peak dense TFLOP/s in the compute dtype, instead of the catalog's"
+    )
+    group.add_argument(
+        "--memory-gbps", type=rate, default=None, help="GPU memory bandwidth in GB/s, instead of the catalog's"
+    )
+    group.add_argument(
+        "--interconnect-gbps",
+        type=rate,
+        default=None,
+        help="GPU-to-GPU bandwidth of one GPU in one direction inside a node, GB/s, instead of the catalog's",
+    )
+    group.add_argument(
+        "--internode-gbps",
+        type=rate,
+        default=INTERNODE_GBPS,
+        help=f"network bandwidth per GPU between nodes, one direction, GB/s (default {INTERNODE_GBPS:g}: 400 Gb/s)",
+    )
+    group.add_argument(
+        "--gpus-per-node",
+        type=count(),
+        default=GPUS_PER_NODE,
+        help=f"GPUs per node; tensor parallelism stays inside one (default {GPUS_PER_NODE})",
+    )
+    group.add_argument(
+        "--pcie-gbps",
+        type=rate,
+        default=PCIE_4_X16_GBPS,
+        help=f"host link bandwidth each way in GB/s, for offloading (default {PCIE_4_X16_GBPS}: PCIe 4.0 x16)",
+    )
+    group.add_argument(
+        "--host-optimizer-gbps",
+        type=rate,
+        default=HOST_OPTIMIZER_GBPS,
+        help=f"host memory bandwidth an offloaded optimizer step streams at, GB/s (default {HOST_OPTIMIZER_GBPS:g})",
+    )
+    group.add_argument("--no-offload", action="store_true", help="leave optimizer-offload layouts out")
+    group.add_argument(
+        "--jobs",
+        type=count(maximum=1024),
+        default=os.cpu_count() or 1,
+        help="processes searching layouts (default: one per CPU)",
+    )
+    group.add_argument(
+        "--html",
+        metavar="FILE",
+        default=None,
+        help="also write the plan as one self-contained page: the table, then the recommended layout's report "
+        "and interactive timeline (one more trace)",
+    )
+
+
+def layout_of(args: argparse.Namespace):
+    """The parallel layout the flags describe."""
+    from strategies.layout import Layout
+
+    return Layout(
+        gpus=args.gpus,
+        tp=args.tp,
+        zero=args.zero,
+        engine=args.engine,
+        sequence_parallel=args.sequence_parallel,
+        tp_output=args.tp_output,
+        offload=args.offload,
+    )
+
+
+def setup_of(args: argparse.Namespace) -> TrainingSetup:
+    """The step the flags describe, with the command line's defaults (:func:`_precision`); flags that would be
+    ignored are refused."""
+    _refuse_flags_that_do_not_apply(args)
+    defaults = TrainingSetup()
+    quantize = "nf4" if args.qlora else "int8" if args.load_in_8bit else None
+    if getattr(args, "quantize", None):
+        quantize = "fp4" if args.quantize == "int4" else args.quantize
+    lora = None
+    if args.lora_r is not None or args.qlora or args.load_in_8bit:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
+        lora = LoraSetup(
+            r=_given(args.lora_r, LoraSetup.r),
+            alpha=_given(args.lora_alpha, LoraSetup.alpha),
+            targets=targets,
+            dropout=_given(args.lora_dropout, LoraSetup.dropout),
+        )
+    inference = {
+        name: _given(getattr(args, name), getattr(defaults, name))
+        for name in ("mode", "max_new_tokens", "cache")
+        if hasattr(args, name)
+    }
+    if hasattr(args, "logits_to_keep"):
+        inference["logits_to_keep"] = _given(args.logits_to_keep, GENERATE_LOGITS_TO_KEEP)
+    dtype, mixed_precision = _precision(args, quantized=quantize is not None)
+    return TrainingSetup(
+        batch_size=getattr(args, "batch_size", 1),
+        seq_len=args.seq_len,
+        dtype=dtype,
+        mixed_precision=mixed_precision,
+        optimizer=_given(args.optimizer, defaults.optimizer),
+        attn=args.attn,
+        target=Target(getattr(args, "target", Target.CUDA.value)),
+        gpu=args.gpu or TrainingSetup.gpu,
+        grad_checkpointing=args.grad_checkpointing,
+        reentrant=args.reentrant,
+        lora=lora,
+        quantize=quantize,
+        grad_accum=args.grad_accum,
+        keep_outputs=args.keep_outputs,
+        optimizer_impl=args.optimizer_impl,
+        pcie_gbps=_given(getattr(args, "pcie_gbps", None), PCIE_4_X16_GBPS),
+        **inference,
+        expandable_segments=_expandable_segments(args),
+    )
+
+
+def _precision(args: argparse.Namespace, quantized: bool) -> tuple[str, str | None]:
+    """(--dtype, --mixed-precision) with the defaults people run: training in the HF Trainer's bf16 recipe
+    (fp32 weights, bf16 autocast); inference and quantized base weights in bf16; fp16 instead of bf16 on a GPU
+    without bf16 (V100, T4)."""
+    from tracer.gpus import find_gpu
+
+    if args.mixed_precision == "off":
+        return args.dtype or "fp32", None
+    if args.mixed_precision is not None or args.dtype is not None:
+        return args.dtype or "fp32", args.mixed_precision
+    cuda = getattr(args, "target", Target.CUDA.value) == Target.CUDA.value
+    low = "fp16" if cuda and find_gpu(args.gpu or TrainingSetup.gpu).bf16_tflops is None else "bf16"
+    if quantized or getattr(args, "mode", "train") == "inference":
+        return low, None
+    return "fp32", low
+
+
+def _given(value, default):
+    """A flag whose default is None so that giving it can be told apart from leaving it out."""
+    return default if value is None else value
+
+
+def _refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
+    """A flag that would be ignored is an error: the user meant something the estimate would not show."""
+
+    def given(name: str) -> bool:
+        return getattr(args, name, None) is not None
+
+    inference = getattr(args, "mode", "train") == "inference"
+    lora = given("lora_r") or args.qlora or args.load_in_8bit
+    for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+        if given(name) and not lora:
+            raise UserError(f"--{name.replace('_', '-')} sets up LoRA adapters: add --lora-r R (or --qlora).")
+    if inference and given("optimizer"):
+        raise UserError("--optimizer does not apply to inference: drop it with --mode inference.")
+    for name in ("max_new_tokens", "cache", "logits_to_keep"):
+        if given(name) and not inference:
+            raise UserError(f"--{name.replace('_', '-')} applies to generation: add --mode inference.")
+    if hasattr(args, "offload") and args.offload is None and given("pcie_gbps"):
+        raise UserError("--pcie-gbps times transfers to host memory: add --offload, or drop it.")
+    if getattr(args, "target", "cuda") == "cpu" and given("gpu"):
+        raise UserError("--gpu picks the GPU that --target cuda reproduces: drop it with --target cpu.")
+
+
+def _expandable_segments(args: argparse.Namespace) -> bool:
+    if args.expandable_segments is not None:
+        return args.expandable_segments
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower().replace(" ", "")
+    return getattr(args, "target", Target.CUDA.value) == Target.CUDA.value and "expandable_segments:true" in conf
