@@ -100,6 +100,26 @@ def test_unknown_model(capsys):
     _assert_user_error(code, err, "Unknown model 'acme/no-such-model'", "config.json", "python -m tracer models")
 
 
+def test_unknown_model_names_the_closest_bundled_ids(capsys):
+    code, _, err = _run(capsys, "analyze", "Qwen/Qwen3-8B-Instruct")
+    _assert_user_error(code, err, "Closest bundled: Qwen/Qwen3-8B")
+
+
+def test_multimodal_checkpoint_is_analyzed_as_its_language_model(capsys):
+    code, out, _ = _run(
+        capsys,
+        "analyze",
+        "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+        "--mode",
+        "inference",
+        "--seq-len",
+        "16",
+        "--json",
+        "--quiet",
+    )
+    assert code == 0 and "its vision tower is not counted" in json.loads(out)["setup"]["model_source"]
+
+
 def test_malformed_config(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "hidden_size": 64,')

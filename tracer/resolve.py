@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,13 +107,19 @@ _CAUSAL_LM_TYPES = {class_name: model_type for model_type, class_name in MODEL_F
 
 
 def closest_bundled(model_id: str, count: int = 3) -> list[str]:
-    """Bundled ids and aliases that look like ``model_id`` (its name without the organisation counts most)."""
+    """Bundled ids and aliases that look like ``model_id``: first those naming the same model once a variant
+    suffix (-Instruct, -it, -chat, -Base, -hf) is dropped, then the closest spellings."""
     names = {name.lower(): name for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
-    short = {name.split("/")[-1]: full for name, full in names.items()}
     query = model_id.lower()
-    found = difflib.get_close_matches(query, names, n=count, cutoff=0.6)
-    found += difflib.get_close_matches(query.split("/")[-1], short, n=count, cutoff=0.6)
-    return list(dict.fromkeys(names.get(name) or short[name] for name in found))[:count]
+    same = [full for name, full in names.items() if _stem(name) == _stem(query)]
+    short = {name.split("/")[-1]: full for name, full in names.items()}
+    spelled = difflib.get_close_matches(query, names, n=count, cutoff=0.6)
+    spelled += difflib.get_close_matches(query.split("/")[-1], short, n=count, cutoff=0.6)
+    return list(dict.fromkeys([*same, *(names.get(name) or short[name] for name in spelled)]))[:count]
+
+
+def _stem(name: str) -> str:
+    return re.sub(r"-(instruct|it|chat|base|hf|pt)(-\d+)?$", "", name.split("/")[-1])
 
 
 def config_from_dict(data: Any, where: str) -> PretrainedConfig:
