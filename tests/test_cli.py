@@ -105,19 +105,27 @@ def test_unknown_model_names_the_closest_bundled_ids(capsys):
     _assert_user_error(code, err, "Closest bundled: Qwen/Qwen3-8B")
 
 
-def test_multimodal_checkpoint_is_analyzed_as_its_language_model(capsys):
-    code, out, _ = _run(
-        capsys,
-        "analyze",
-        "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-        "--mode",
-        "inference",
-        "--seq-len",
-        "16",
-        "--json",
-        "--quiet",
+def test_multimodal_checkpoint_is_analyzed_as_its_language_model(tmp_path, capsys):
+    """A config that nests its decoder under text_config (Gemma 3, Llama 4, Mistral Small 3.1) is the decoder."""
+    from tracer.resolve import resolve_model
+
+    assert "vision tower is not counted" in resolve_model("meta-llama/Llama-4-Scout-17B-16E-Instruct").source
+    text = json.loads(tiny_model("llama").config.to_json_string())
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llava",
+                "architectures": ["LlavaForConditionalGeneration"],
+                "text_config": text,
+                "vision_config": {"model_type": "clip_vision_model"},
+            }
+        )
     )
-    assert code == 0 and "its vision tower is not counted" in json.loads(out)["setup"]["model_source"]
+    code, out, _ = _run(capsys, "analyze", str(path), "--seq-len", "16", "--json", "--quiet")
+    report = json.loads(out)
+    assert code == 0 and report["peak_bytes"] > 0
+    assert "language model (text_config) of the LlavaForConditionalGeneration" in report["setup"]["model_source"]
 
 
 def test_malformed_config(tmp_path, capsys):
