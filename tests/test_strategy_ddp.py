@@ -34,7 +34,7 @@ def test_ddp_matches_the_runtime(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
-@pytest.mark.parametrize("rank", [0, 3])
+@pytest.mark.parametrize("rank", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_redundancy_optimizer_matches_the_runtime(family, rank):
     """ZeRO-1 in PyTorch: each rank keeps the optimizer states of the whole parameters assigned to it."""
     model = tiny_model(family, **WIDE)

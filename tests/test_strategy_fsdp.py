@@ -32,7 +32,7 @@ def _check(
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
 def test_fsdp_matches_the_runtime(family, world):
     _check(family, world)

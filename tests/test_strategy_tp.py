@@ -42,14 +42,18 @@ def _check(
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
+@pytest.mark.parametrize(
+    "gathered", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["parallel-loss", "gathered-logits"]
+)
 @pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gpt_neox"])
 def test_tensor_parallel_matches_the_runtime(family, degree, gathered):
     _check(family, degree, gathered=gathered)
 
 
-@pytest.mark.parametrize("gathered", [False, True], ids=["parallel-loss", "gathered-logits"])
+@pytest.mark.parametrize(
+    "gathered", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["parallel-loss", "gathered-logits"]
+)
 @pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt_neox"])
 def test_sequence_parallel_matches_the_runtime(family, degree, gathered):

@@ -147,14 +147,24 @@ def test_quantized_base_runs_and_keeps_the_adapters_trainable(family, quantize):
     [
         ("llama", Layout(gpus=4, zero=3), {"grad_checkpointing": "full"}),
         ("gpt2", Layout(gpus=4, zero=2), {"grad_checkpointing": "full", "reentrant": True}),
-        ("falcon", Layout(gpus=4, zero=3), {"grad_checkpointing": "selective"}),
+        pytest.param("falcon", Layout(gpus=4, zero=3), {"grad_checkpointing": "selective"}, marks=pytest.mark.slow),
         ("llama", Layout(gpus=4, zero=3), {"lora": LoraSetup(targets=ATTENTION)}),
         ("gpt2", Layout(gpus=4), {"lora": LoraSetup(targets=ATTENTION), "grad_checkpointing": "full"}),
         ("llama", Layout(gpus=4, zero=1), {"grad_checkpointing": "selective"}),
         ("llama", Layout(gpus=4), {"grad_accum": 2}),
         ("llama", Layout(gpus=2, tp=2), {"grad_checkpointing": "full"}),
-        ("gpt_neox", Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_checkpointing": "full"}),
-        ("llama", Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_checkpointing": "selective"}),
+        pytest.param(
+            "gpt_neox",
+            Layout(gpus=2, tp=2, sequence_parallel=True),
+            {"grad_checkpointing": "full"},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "llama",
+            Layout(gpus=2, tp=2, sequence_parallel=True),
+            {"grad_checkpointing": "selective"},
+            marks=pytest.mark.slow,
+        ),
         ("llama", Layout(gpus=4, tp=2, zero=3), {"grad_checkpointing": "full"}),
     ],
     ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
@@ -184,13 +194,13 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
             Layout(gpus=4, zero=3),
             {"lora": ADAPTERS, "mixed_precision": "bf16", "grad_checkpointing": "full", "reentrant": True},
         ),
-        (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
-        (Layout(gpus=4), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
         (Layout(gpus=4, zero=3), {"grad_accum": 2}),
         *(
             pytest.param(layout, options, marks=pytest.mark.slow)
             for layout, options in (
                 (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
+                (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "mixed_precision": "bf16"}),
+                (Layout(gpus=4), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
                 (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full", "reentrant": True}),
                 (Layout(gpus=4, zero=3), {"grad_accum": 3, "mixed_precision": "bf16", "grad_checkpointing": "full"}),
                 (Layout(gpus=4, zero=2), {"lora": ADAPTERS, "grad_accum": 2}),
