@@ -29,6 +29,12 @@ def gradient_bytes(step: StepGraph, element_size: int | None = None) -> int:
     return total
 
 
+def updated_parameters_gather(step: StepGraph, what: str) -> Collective:
+    """The all-gather a runtime that shards the optimizer step waits for after it: each rank's updated
+    parameters sent to every other (ZeroRedundancyOptimizer's broadcast, DeepSpeed ZeRO-1/2's partitions)."""
+    return Collective(ALL_GATHER, DATA_PARALLEL, parameter_bytes(step), Phase.OPTIMIZER, False, False, what)
+
+
 def recorded(step: StepGraph, *collectives: Collective) -> StepGraph:
     """``step`` with ``collectives`` added to what it already issues."""
     return dataclasses.replace(step, collectives=[*step.collectives, *collectives])

@@ -30,10 +30,9 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.collectives import gradient_bytes, parameter_bytes, recorded, sharded_data_parallel
+from strategies.collectives import gradient_bytes, recorded, sharded_data_parallel, updated_parameters_gather
 from strategies.rewrite import Point, Rewrite, unit_windows
 from tracer.graph import (
-    ALL_GATHER,
     DATA_PARALLEL,
     DEVICE_TO_HOST,
     HOST_TO_DEVICE,
@@ -127,15 +126,7 @@ class DeepSpeedZero:
                 overlapped=False,
                 what="gradient buckets, on the compute stream",
             ),
-            Collective(
-                ALL_GATHER,
-                DATA_PARALLEL,
-                parameter_bytes(step),
-                Phase.OPTIMIZER,
-                every_micro_step=False,
-                overlapped=False,
-                what="updated 16-bit partitions after the optimizer step",
-            ),
+            updated_parameters_gather(step, "updated 16-bit partitions after the optimizer step"),
         ]
 
 

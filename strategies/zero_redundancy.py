@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.collectives import parameter_bytes, recorded
+from strategies.collectives import recorded, updated_parameters_gather
 from strategies.ddp import Ddp, ddp, gradient_all_reduce
 from strategies.rewrite import Rewrite
-from tracer.graph import ALL_GATHER, DATA_PARALLEL, Collective, StepGraph
+from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
 from tracer.training import TrainingSetup
 
@@ -74,13 +74,7 @@ class ZeroRedundancy(Ddp):
         return sorted({0, loads.index(max(loads))})
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
-        broadcast = Collective(
-            ALL_GATHER,
-            DATA_PARALLEL,
-            parameter_bytes(step),
-            Phase.OPTIMIZER,
-            every_micro_step=False,
-            overlapped=False,
-            what="each rank's updated parameters, broadcast after the optimizer step",
+        broadcast = updated_parameters_gather(
+            step, "each rank's updated parameters, broadcast after the optimizer step"
         )
         return recorded(zero_redundancy(ddp(step), self.world, rank), gradient_all_reduce(step), broadcast)
