@@ -158,35 +158,58 @@ def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
 
 
 def _run_analyze(args: argparse.Namespace) -> int:
-    from analysis.budget import MemoryBudget
     from analysis.modules import module_table, render_module_table
     from analysis.report import render_text
-    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
     page = _writable(args.html, "--html", (".html",)) if args.html else None
     setup = setup_of(args)
     layout = layout_of(args)
-    gpu = find_gpu(setup.gpu)
+    gpu = _target_gpu(setup)
     model = resolve_model(args.model)
     if args.sweep:
         if page:
             raise UserError("--html writes one step's report: drop it with --sweep.")
-        return _run_sweep(args, model, setup, layout, gpu if setup.target is Target.CUDA else None)
+        return _run_sweep(args, model, setup, layout, gpu)
     result = _estimate(args, model, setup, layout)
     report = result.report
     table = module_table(result.step, report.peak_op_index, args.by_module) if args.by_module else None
-    budget = MemoryBudget(gpu.memory_bytes) if setup.target is Target.CUDA else None
-    verdict = budget.verdict(report, gpu.description) if budget else None
+    verdict = _verdict(report, gpu)
     if args.json:
-        fit = {"fit": budget.to_json(report)} if budget else {}
-        print(json.dumps(report.to_json() | fit | ({"by_module": table} if table else {}), indent=2))
+        print(json.dumps(report.to_json() | _fit_json(report, gpu) | ({"by_module": table} if table else {}), indent=2))
     else:
         print(render_text(report, verdict) + (f"\n\n{render_module_table(table)}" if table else ""))
     if page:
-        _write_page(page, model, setup, result, verdict, gpu if setup.target is Target.CUDA else None)
+        _write_page(page, model, setup, result, verdict, gpu)
         _progress(args, f"Wrote {page}.")
     return 0
+
+
+def _target_gpu(setup: TrainingSetup):
+    """The GPU whose fit is judged; None with --target cpu, where there is none."""
+    from tracer.gpus import find_gpu
+
+    return find_gpu(setup.gpu) if setup.target is Target.CUDA else None
+
+
+def _verdict(report, gpu) -> str | None:
+    from analysis.budget import MemoryBudget
+
+    return MemoryBudget(gpu.memory_bytes).verdict(report, gpu.description) if gpu else None
+
+
+def _fit_json(report, gpu) -> dict:
+    from analysis.budget import MemoryBudget
+
+    return {"fit": MemoryBudget(gpu.memory_bytes).to_json(report)} if gpu else {}
+
+
+def _title(model, setup: TrainingSetup, report) -> str:
+    """A page's or plot's title: the model, the setup in a few words, the layout."""
+    from analysis.export import setup_summary
+
+    where = report.layout.describe() if not report.layout.plain else "one GPU"
+    return f"{model.model_id}, {setup_summary(setup)}: {where}"
 
 
 def _writable(name: str, flag: str, suffixes: tuple[str, ...]):
@@ -206,28 +229,32 @@ def _writable(name: str, flag: str, suffixes: tuple[str, ...]):
 def _write_page(path, model, setup: TrainingSetup, result, verdict: str | None, gpu, before=None) -> None:
     """The report page: the timeline, the terminal report and the per-layer view (modules to depth 3), after
     the sections ``before`` (heading -> text) if any."""
-    from analysis.export import setup_summary, timeline_rows
+    from analysis.export import timeline_rows
     from analysis.modules import module_table, render_module_table
     from analysis.report import render_text
     from analysis.report_page import write_report_page
 
     report = result.report
-    where = report.layout.describe() if not report.layout.plain else "one GPU"
     sections = {
         **(before or {}),
         "Report": render_text(report, verdict),
         "By module (depth 3)": render_module_table(module_table(result.step, report.peak_op_index, 3)),
     }
     rows = timeline_rows(result.step, result.line)
-    title = f"{model.model_id}, {setup_summary(setup)}: {where}"
-    write_report_page(path, title, rows, sections, gpu.memory_bytes if gpu else None, gpu.description if gpu else "")
+    write_report_page(
+        path,
+        _title(model, setup, report),
+        rows,
+        sections,
+        gpu.memory_bytes if gpu else None,
+        gpu.description if gpu else "",
+    )
 
 
 def _run_timeline(args: argparse.Namespace) -> int:
     from analysis.estimate import allocator_config
     from analysis.export import (
         FORMATS,
-        setup_summary,
         timeline_rows,
         write_csv,
         write_json,
@@ -246,8 +273,7 @@ def _run_timeline(args: argparse.Namespace) -> int:
     result = _estimate(args, model, setup, layout_of(args))
     report = result.report
     rows = timeline_rows(result.step, result.line)
-    where = report.layout.describe() if not report.layout.plain else "one GPU"
-    title = f"{model.model_id}, {setup_summary(setup)}: {where}"
+    title = _title(model, setup, report)
     if path.suffix == ".csv":
         write_csv(rows, path)
     elif path.suffix == ".json":
@@ -256,11 +282,8 @@ def _run_timeline(args: argparse.Namespace) -> int:
         capacity = find_gpu(setup.gpu).memory_bytes if args.gpu is not None else None
         write_png(rows, path, title, capacity)
     elif path.suffix == ".html":
-        from analysis.budget import MemoryBudget
-
-        gpu = find_gpu(setup.gpu) if setup.target is Target.CUDA else None
-        verdict = MemoryBudget(gpu.memory_bytes).verdict(report, gpu.description) if gpu else None
-        _write_page(path, model, setup, result, verdict, gpu)
+        gpu = _target_gpu(setup)
+        _write_page(path, model, setup, result, _verdict(report, gpu), gpu)
     else:
         write_snapshot(result.step, path, allocator_config(setup))
     peak = format_bytes(report.peak_bytes)
@@ -269,10 +292,8 @@ def _run_timeline(args: argparse.Namespace) -> int:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from analysis.budget import MemoryBudget
     from analysis.comparison import compare, comparison_json, render_comparison
     from analysis.formulas import formula_estimates, model_shape
-    from tracer.gpus import find_gpu
     from tracer.resolve import resolve_model
 
     setup = setup_of(args)
@@ -281,12 +302,11 @@ def _run_compare(args: argparse.Namespace) -> int:
     result = _estimate(args, model, setup, layout)
     shape = model_shape(model, setup)
     comparison = compare(result.report, result.step, result.line, shape, formula_estimates(shape, setup, layout))
-    budget = MemoryBudget(find_gpu(setup.gpu).memory_bytes) if setup.target is Target.CUDA else None
+    gpu = _target_gpu(setup)
     if args.json:
-        fit = {"fit": budget.to_json(result.report)} if budget else {}
-        print(json.dumps(comparison_json(comparison) | fit, indent=2))
+        print(json.dumps(comparison_json(comparison) | _fit_json(result.report, gpu), indent=2))
     else:
-        verdict = budget.verdict(result.report, find_gpu(setup.gpu).description) if budget else None
+        verdict = _verdict(result.report, gpu)
         print(render_comparison(comparison) + (f"\n\n{verdict}" if verdict else ""))
     return 0
 

@@ -47,10 +47,7 @@ def count(minimum: int = 1, maximum: int = MAX_COUNT) -> Callable[[str], int]:
 
 def rate(text: str) -> float:
     """A finite positive number (a bandwidth, a throughput)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
+    value = _number(text, "a number")
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text!r}")
     return value
@@ -58,10 +55,14 @@ def rate(text: str) -> float:
 
 def share(text: str) -> float:
     """A fraction in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number in [0, 1), got {text!r}") from None
+    value = _number(text, "a number in [0, 1)")
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
     return value
+
+
+def _number(text: str, expected: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes {expected}, got {text!r}") from None

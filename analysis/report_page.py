@@ -89,13 +89,10 @@ def write_report_page(
         "capacity": capacity,
         "gpu": gpu,
     }
-    if not rows:  # nothing traced to draw (a plan where no layout fits)
-        page = f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-        sections_html = "".join(
-            f"<h2>{html.escape(name)}</h2><pre>{html.escape(text)}</pre>" for name, text in sections.items()
-        )
-        path.write_text(page + sections_html + "</body></html>")
-        return
     blocks = "".join(f"<h2>{html.escape(name)}</h2><pre>{html.escape(text)}</pre>" for name, text in sections.items())
+    if not rows:  # nothing traced to draw (a plan where no layout fits)
+        head = f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
+        path.write_text(head + blocks + "</body></html>")
+        return
     page = _PAGE.replace("$TITLE", html.escape(title)).replace("$SECTIONS", blocks)
     path.write_text(page.replace("$DATA", json.dumps(data).replace("</", "<\\/")))
