@@ -46,15 +46,54 @@ from tracer.roles import Phase, Role
 from tracer.trace import element_size
 from tracer.training import TrainingSetup
 
-# Defaults of DeepSpeedZeroConfig (deepspeed/runtime/zero/config.py), in elements.
-REDUCE_BUCKET_SIZE = 500_000_000  # reduce_bucket_size
-PREFETCH_BUCKET_SIZE = 50_000_000  # stage3_prefetch_bucket_size
-PARAM_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
-MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters
-MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
+AUTO = "auto"
 # Flat groups are padded to a multiple of 2 x world elements (nccl_start_alignment_factor in stage_1_and_2.py).
 ALIGNMENT_FACTOR = 2
 FLOAT32_BYTES = element_size("float32")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The ``zero_optimization`` keys that change memory, in elements; DeepSpeed's defaults
+    (``DeepSpeedZeroConfig``, deepspeed/runtime/zero/config.py). A size may be ``"auto"``, which the Hugging
+    Face Trainer fills from the model's hidden size (:meth:`resolved`)."""
+
+    reduce_bucket_size: int | str = 500_000_000
+    stage3_prefetch_bucket_size: int | str = 50_000_000
+    stage3_param_persistence_threshold: int | str = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only (overlap_comm_valid)
+
+    def resolved(self, hidden_size: int) -> ZeroConfig:
+        """``"auto"`` sizes as ``HfTrainerDeepSpeedConfig.trainer_config_finalize`` fills them (transformers
+        integrations/deepspeed.py): hidden x hidden for the bucket, 0.9 of that for the prefetch, 10 x hidden
+        for the persistence threshold."""
+        auto = {
+            "reduce_bucket_size": hidden_size * hidden_size,
+            "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+        }
+        return dataclasses.replace(self, **{key: value for key, value in auto.items() if getattr(self, key) == AUTO})
+
+    def overlaps(self, stage: int) -> bool:
+        return self.overlap_comm if self.overlap_comm is not None else stage == 3
+
+    def describe(self, stage: int) -> str:
+        keys = ["reduce_bucket_size"]
+        if stage == 3:
+            keys += [
+                "stage3_prefetch_bucket_size",
+                "stage3_max_live_parameters",
+                "stage3_max_reuse_distance",
+                "stage3_param_persistence_threshold",
+            ]
+        sizes = ", ".join(f"{key} {_size(getattr(self, key))}" for key in keys)
+        return f"{sizes}, overlap_comm {str(self.overlaps(stage)).lower()}"
+
+
+def _size(value: int | str) -> str:
+    return value if isinstance(value, str) else f"{value:,}"
 
 
 @dataclass(frozen=True)
@@ -64,16 +103,18 @@ class DeepSpeedPlan:
     rank: int = 0
     offload_optimizer: bool = False  # offload_optimizer.device = "cpu" (ZeRO-Offload)
     offload_params: bool = False  # offload_param.device = "cpu" (ZeRO-Infinity, stage 3 only)
+    config: ZeroConfig = ZeroConfig()
 
 
 @dataclass(frozen=True)
 class DeepSpeedZero:
-    """The runtime of ``--engine deepspeed --zero 1/2/3``, with its default configuration."""
+    """The runtime of ``--engine deepspeed --zero 1/2/3``."""
 
     stage: int
     world: int
     offload_optimizer: bool = False
     offload_params: bool = False
+    config: ZeroConfig = ZeroConfig()
 
     @property
     def name(self) -> str:
@@ -81,15 +122,9 @@ class DeepSpeedZero:
 
     @property
     def note(self) -> str:
-        stage3 = (
-            f", stage3_prefetch_bucket_size {PREFETCH_BUCKET_SIZE:.0e}, stage3_max_live_parameters "
-            f"{MAX_LIVE_PARAMETERS:.0e}, stage3_max_reuse_distance {MAX_REUSE_DISTANCE:.0e}, "
-            f"stage3_param_persistence_threshold {PARAM_PERSISTENCE_THRESHOLD:.0e}"
-        )
         return (
-            f"DeepSpeed ZeRO-{self.stage} defaults: reduce_bucket_size {REDUCE_BUCKET_SIZE:.0e}"
-            + (stage3 if self.stage == 3 else "")
-            + "; fp32 master weights and optimizer states of the rank's partition"
+            f"DeepSpeed ZeRO-{self.stage}: {self.config.describe(self.stage)}; fp32 master weights and optimizer "
+            "states of the rank's partition"
         )
 
     def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
@@ -106,7 +141,7 @@ class DeepSpeedZero:
         return [0]
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
-        plan = DeepSpeedPlan(self.stage, self.world, rank, self.offload_optimizer, self.offload_params)
+        plan = DeepSpeedPlan(self.stage, self.world, rank, self.offload_optimizer, self.offload_params, self.config)
         return recorded(deepspeed(step, plan), *self.collectives(step))
 
     def collectives(self, step: StepGraph) -> list[Collective]:
@@ -155,6 +190,9 @@ def parameter_partition_numel(numel: int, world: int) -> int:
 class _DeepSpeed:
     def __init__(self, step: StepGraph, plan: DeepSpeedPlan) -> None:
         self.step, self.plan = step, plan
+        self.config = plan.config
+        if any(isinstance(getattr(plan.config, key.name), str) for key in dataclasses.fields(plan.config)):
+            raise ValueError(f"resolve the 'auto' sizes of {plan.config} first (ZeroConfig.resolved)")
         self.rw = Rewrite(step)
         self.params = {
             row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param is not None
@@ -269,14 +307,15 @@ class _DeepSpeed:
 
     def gradient_buckets(self) -> None:
         stage, (backward_first, backward_last) = self.plan.stage, self.backward
-        bucket, step_end = REDUCE_BUCKET_SIZE * self.bytes, Point(self.optimizer[1], 0)
+        bucket, step_end = self.config.reduce_bucket_size * self.bytes, Point(self.optimizer[1], 0)
         if stage == 3:
             self.rw.add(bucket, Role.COMMUNICATION, None, None, "gradient bucket", self.dtype)
             part = self.partition * FLOAT32_BYTES
             partitions = self.rw.add(part, Role.GRADIENT, None, None, "fp32 gradient partitions", "float32")
             self._optimizer_storages.append(partitions)
-        else:
-            self.rw.add(bucket, Role.COMMUNICATION, Point(backward_first, 0), step_end, "gradient bucket", self.dtype)
+        else:  # with overlap_comm, a second bucket is filled while the first is reduced (setup_buckets)
+            for what in ("gradient bucket", "second gradient bucket")[: 1 + self.config.overlaps(stage)]:
+                self.rw.add(bucket, Role.COMMUNICATION, Point(backward_first, 0), step_end, what, self.dtype)
         if stage == 1:  # full gradients until backward ends, then reduced through the bucket
             reduced = self.rw.after(backward_last, "deepspeed.reduce_gradients", "", Phase.BACKWARD)
             for row in self.gradients:
@@ -295,7 +334,7 @@ class _DeepSpeed:
         filled = 0
         for row in sorted(self.gradients, key=lambda row: row.producer or 0):
             filled += self.numel.get(row.param, 0)
-            if filled > REDUCE_BUCKET_SIZE:
+            if filled > self.config.reduce_bucket_size:
                 return row.producer
         return self.backward[1]
 
@@ -350,7 +389,7 @@ class _DeepSpeed:
         """Gather the next modules while this one runs, until ``prefetch_bucket_size`` elements are in
         flight or ``max_live_parameters`` are gathered (``fetch_sub_module``)."""
         live = sum(self._unit_numel(units[m]) for m in gathered)
-        budget = min(MAX_LIVE_PARAMETERS - live, PREFETCH_BUCKET_SIZE)
+        budget = min(self.config.stage3_max_live_parameters - live, self.config.stage3_prefetch_bucket_size)
         fetched = 0
         for module in upcoming:
             if fetched >= budget:
@@ -371,7 +410,7 @@ class _DeepSpeed:
                 continue
             start, end = windows[module][Phase.FORWARD][1], windows[module][Phase.BACKWARD][0]
             between = sum(self._unit_numel(units[m]) for index, m in uses if start < index < end and m != module)
-            if between < MAX_REUSE_DISTANCE:
+            if between < self.config.stage3_max_reuse_distance:
                 kept.add(module)
         return kept
 
@@ -380,7 +419,7 @@ class _DeepSpeed:
 
     def _partitioned(self) -> list[str]:
         """Parameters stage 3 partitions: all but those of at most ``param_persistence_threshold`` elements."""
-        return [name for name, numel in self.numel.items() if numel > PARAM_PERSISTENCE_THRESHOLD]
+        return [name for name, numel in self.numel.items() if numel > self.config.stage3_param_persistence_threshold]
 
     def _param_sized(self, row: StorageRow) -> bool:
         return row.numel == self.numel[row.param]

@@ -8,13 +8,14 @@ Each rank's step is then that traced step transformed by the runtimes, tensor pa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from transformers import PretrainedConfig
 
 from strategies.ddp import Ddp
-from strategies.deepspeed import DeepSpeedZero
+from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
@@ -41,6 +42,7 @@ class Layout:
     sequence_parallel: bool = False
     tp_output: str = "parallel"
     offload: str | None = None  # what lives in host memory: the optimizer step, or that and the parameters
+    zero_config: ZeroConfig = field(default_factory=ZeroConfig)  # DeepSpeed's zero_optimization sizes
 
     def __post_init__(self) -> None:
         if self.gpus < 1:
@@ -67,6 +69,8 @@ class Layout:
                 "DeepSpeed without ZeRO is not modelled: use --engine deepspeed --zero 1, 2 or 3, or plain "
                 "PyTorch DDP with --engine fsdp --zero 0."
             )
+        if self.zero_config != ZeroConfig() and self.engine != "deepspeed":
+            raise UserError("DeepSpeed's zero_optimization settings apply to --engine deepspeed.")
         if self.tp == 1 and (self.sequence_parallel or self.tp_output != "parallel"):
             raise UserError("--sequence-parallel and --tp-output apply to tensor parallelism: add --tp 2 or more.")
 
@@ -148,7 +152,7 @@ def data_parallel(layout: Layout) -> DataParallel | None:
     """The runtime ``--zero`` and ``--engine`` stand for; None for a single replica without ZeRO."""
     offload_params = layout.offload == "optimizer,params"
     if layout.engine == "deepspeed" and layout.zero:
-        return DeepSpeedZero(layout.zero, layout.dp, layout.offload is not None, offload_params)
+        return DeepSpeedZero(layout.zero, layout.dp, layout.offload is not None, offload_params, layout.zero_config)
     if layout.dp == 1:
         return None
     if layout.zero == 0:
@@ -199,6 +203,8 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
             "--mode inference is modelled on one GPU: drop --gpus, --tp, --zero and --offload (a data-parallel "
             "replica serving its own requests needs what one GPU needs)."
         )
+    if layout.engine == "deepspeed":
+        layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(config.hidden_size))
     tensor = None
     if layout.tp > 1:
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")

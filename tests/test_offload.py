@@ -8,9 +8,8 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from tiny_models import tiny_model
 
-import strategies.deepspeed as zero
 from analysis.peak import host_peak
-from strategies.deepspeed import partition_numel
+from strategies.deepspeed import ZeroConfig, partition_numel
 from strategies.layout import Layout, Rank, prepare
 from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, build_graph
 from tracer.roles import Role
@@ -19,6 +18,9 @@ from tracer.training import Target, TrainingSetup
 
 SETUP = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, dtype="bf16")
 EVEN = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256}
+
+
+EVERY_PARAMETER = ZeroConfig(stage3_param_persistence_threshold=0)  # DeepSpeed's estimator partitions all
 
 
 def _step(layout: Layout, family: str = "llama") -> tuple[StepGraph, int]:
@@ -52,9 +54,9 @@ def test_zero2_offload_leaves_the_16_bit_parameters_on_the_gpu(gpus):
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
-def test_zero3_offload_of_the_optimizer_keeps_the_16_bit_partitions(gpus, monkeypatch):
-    monkeypatch.setattr(zero, "PARAM_PERSISTENCE_THRESHOLD", 0)  # the estimator partitions everything
-    step, params = _step(Layout(gpus=gpus, zero=3, engine="deepspeed", offload="optimizer"))
+def test_zero3_offload_of_the_optimizer_keeps_the_16_bit_partitions(gpus):
+    layout = Layout(gpus=gpus, zero=3, engine="deepspeed", offload="optimizer", zero_config=EVERY_PARAMETER)
+    step, params = _step(layout)
     _, expected, largest = estimate_zero3_model_states_mem_needs(
         params, 0, num_gpus_per_node=gpus, cpu_offload=True, cpu_offload_params=False
     )
@@ -62,9 +64,9 @@ def test_zero3_offload_of_the_optimizer_keeps_the_16_bit_partitions(gpus, monkey
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
-def test_zero3_offload_of_the_parameters_keeps_nothing_between_steps(gpus, monkeypatch):
-    monkeypatch.setattr(zero, "PARAM_PERSISTENCE_THRESHOLD", 0)
-    step, params = _step(Layout(gpus=gpus, zero=3, engine="deepspeed", offload="optimizer,params"))
+def test_zero3_offload_of_the_parameters_keeps_nothing_between_steps(gpus):
+    layout = Layout(gpus=gpus, zero=3, engine="deepspeed", offload="optimizer,params", zero_config=EVERY_PARAMETER)
+    step, params = _step(layout)
     _, expected, largest = estimate_zero3_model_states_mem_needs(
         params, 0, num_gpus_per_node=gpus, cpu_offload=True, cpu_offload_params=True
     )

@@ -8,8 +8,7 @@ from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from tiny_models import tiny_model
 
-import strategies.deepspeed as zero
-from strategies.deepspeed import DeepSpeedPlan, deepspeed
+from strategies.deepspeed import DeepSpeedPlan, ZeroConfig, deepspeed
 from tracer.graph import StepGraph, build_graph
 from tracer.roles import Role
 from tracer.tracing import trace_step
@@ -48,15 +47,14 @@ def test_zero2_model_states_match_deepspeeds_estimator(family, world):
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
-def test_zero3_model_states_match_deepspeeds_estimator(family, world, monkeypatch):
+def test_zero3_model_states_match_deepspeeds_estimator(family, world):
     """The estimator partitions every parameter: persistence is turned off to compare."""
-    monkeypatch.setattr(zero, "PARAM_PERSISTENCE_THRESHOLD", 0)
     step, params = _trace(family)
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in _modules(family))
     _, expected, largest_layer_memory = estimate_zero3_model_states_mem_needs(
         params, largest, num_gpus_per_node=world, cpu_offload=False, cpu_offload_params=False
     )
-    sharded = deepspeed(step, DeepSpeedPlan(3, world))
+    sharded = deepspeed(step, DeepSpeedPlan(3, world, config=ZeroConfig(stage3_param_persistence_threshold=0)))
     assert _model_states(sharded) == expected - largest_layer_memory
     gathered = max(row.nbytes for row in sharded.storages.values() if row.name.endswith("(gathered)"))
     assert 2 * gathered == largest_layer_memory  # 16-bit parameters and gradients of the largest layer
@@ -69,3 +67,37 @@ def _modules(family: str):
 
     with torch.device("meta"):
         return list(build_model(tiny_model(family, **EVEN).config, SETUP).modules())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("hidden_size", [128, 4096, 8192])
+def test_auto_sizes_resolve_as_the_trainer_fills_them(stage, hidden_size):
+    """Against transformers' own ``HfTrainerDeepSpeedConfig.trainer_config_finalize``."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
+    trainer = HfTrainerDeepSpeedConfig({"zero_optimization": {"stage": stage} | dict.fromkeys(keys, "auto")})
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size))
+    trainer.trainer_config_finalize(SimpleNamespace(get_warmup_steps=lambda steps: 0), model, 10)
+    ours = ZeroConfig(**dict.fromkeys(keys, "auto")).resolved(hidden_size)
+    filled = trainer.config["zero_optimization"]
+    assert ours.reduce_bucket_size == filled["reduce_bucket_size"]
+    if stage == 3:  # the Trainer fills the stage-3 keys for stage 3 only; they do not act below it
+        assert ours.stage3_prefetch_bucket_size == filled["stage3_prefetch_bucket_size"]
+        assert ours.stage3_param_persistence_threshold == filled["stage3_param_persistence_threshold"]
+
+
+def test_overlap_comm_doubles_the_bucket_below_stage_3():
+    """``setup_buckets`` allocates a second bucket of ``reduce_bucket_size`` with ``overlap_comm``."""
+    step, _ = _trace("llama")
+    buckets = [
+        sum(
+            row.nbytes
+            for row in deepspeed(step, DeepSpeedPlan(2, 4, config=config)).storages.values()
+            if "bucket" in row.name
+        )
+        for config in (ZeroConfig(reduce_bucket_size=1000), ZeroConfig(reduce_bucket_size=1000, overlap_comm=True))
+    ]
+    assert buckets == [2000, 4000]  # bf16
