@@ -84,7 +84,6 @@ def _write_plan_page(args: argparse.Namespace, path, model, result, gpu) -> None
     from analysis.estimate import estimate
     from analysis.plan_render import render_plan
     from analysis.report_page import write_report_page
-    from strategies.layout import accumulation_modelled
 
     best = result.best
     sections = {"Plan": render_plan(result)}
@@ -92,12 +91,11 @@ def _write_plan_page(args: argparse.Namespace, path, model, result, gpu) -> None
         write_report_page(path, f"{model.model_id}: plan on {result.gpus} x {gpu.description}", [], sections)
         return
     layout = best.candidate.layout
-    accumulation = best.accumulation if accumulation_modelled(layout) else 1
     setup = dataclasses.replace(
         result.setup,
         batch_size=best.micro_batch,
         grad_checkpointing=best.candidate.checkpointing,
-        grad_accum=accumulation,
+        grad_accum=best.accumulation,
     )
     _progress(args, f"Tracing the recommended layout for {path} ...")
     recommended = estimate(model, setup, layout)

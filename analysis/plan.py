@@ -19,7 +19,7 @@ from analysis.budget import MemoryBudget
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, step_time
-from strategies.layout import Layout, accumulation_modelled, prepare
+from strategies.layout import Layout, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.resolve import ResolvedModel
@@ -261,19 +261,16 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     micro = largest if per_rank is None else max(d for d in range(1, largest + 1) if per_rank % d == 0)
     accumulation = 1 if per_rank is None else per_rank // micro
     if accumulation > 1:
-        if accumulation_modelled(layout):
-            accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
-            steps = search.layout_estimate(accumulating, layout)
-            while micro > 0 and not budget.fits(steps.evaluate(micro).report):
-                micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)
-            if micro == 0:
-                outcome.report = steps.evaluate(1).report
-                outcome.needed_bytes = budget.needed_bytes(outcome.report)
-                outcome.notes.append("gradient accumulation's persistent gradients do not fit")
-                return outcome
-            accumulation = per_rank // micro
-        else:
-            outcome.notes.append("memory of one micro-step: accumulation's extra gradients not modelled here")
+        accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
+        steps = search.layout_estimate(accumulating, layout)
+        while micro > 0 and not budget.fits(steps.evaluate(micro).report):
+            micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)
+        if micro == 0:
+            outcome.report = steps.evaluate(1).report
+            outcome.needed_bytes = budget.needed_bytes(outcome.report)
+            outcome.notes.append("gradient accumulation's persistent gradients do not fit")
+            return outcome
+        accumulation = per_rank // micro
     estimate = steps.evaluate(micro)
     outcome.micro_batch, outcome.accumulation, outcome.report = micro, accumulation, estimate.report
     outcome.needed_bytes = budget.needed_bytes(estimate.report)

@@ -204,6 +204,13 @@ class _DeepSpeed:
         self.dtype = next(iter(self.params.values())).dtype
         self.bytes = element_size(self.dtype)
         self.gradients = [row for row in step.storages.values() if row.role is Role.GRADIENT]
+        # Later micro-steps' gradients: the trace adds them into .grad, while ZeRO-2 and 3 find .grad empty
+        # (it was copied into the bucket and freed) and reduce them into the partition the same way.
+        self.accumulated = [
+            row
+            for row in step.storages.values()
+            if row.role is not Role.GRADIENT and row.param in trainable and step.made_in(row, Phase.BACKWARD)
+        ]
         self.backward = _span(step, Phase.BACKWARD)
         self._optimizer_storages: list[int] = []  # what the optimizer keeps and makes, offloaded with it
         self._fetched: dict[Phase, dict[str, int]] = {phase: defaultdict(int) for phase in Phase}
@@ -320,8 +327,8 @@ class _DeepSpeed:
             reduced = self.rw.after(backward_last, "deepspeed.reduce_gradients", "", Phase.BACKWARD)
             for row in self.gradients:
                 self.rw.retime(row.id, last=reduced)
-        else:  # each gradient copied into the bucket and freed as soon as it is ready
-            for row in sorted(self.gradients, key=lambda row: row.producer or 0):
+        else:  # each gradient copied into the bucket and freed as soon as it is ready, every micro-step
+            for row in sorted(self.gradients + self.accumulated, key=lambda row: row.producer or 0):
                 point = self.rw.after(row.producer, "deepspeed.copy_into_bucket", row.module, Phase.BACKWARD)
                 self.rw.retime(row.id, last=point)
             reduced = self.rw.after(self._first_bucket_reduce(), "deepspeed.reduce_bucket", "", Phase.BACKWARD)
@@ -345,7 +352,11 @@ class _DeepSpeed:
             row = self.params[name]
             self.rw.resize(row.id, parameter_partition_numel(self.numel[name], self.plan.world) * self.bytes)
         units = self._units()
-        windows = unit_windows(self.step, {module: (module,) for module in units})
+        for passes in self.step.micro_steps():
+            self._fetch_per_module(units, unit_windows(self.step, {module: (module,) for module in units}, passes))
+
+    def _fetch_per_module(self, units: dict[str, list[str]], windows) -> None:
+        """One micro-step's gathers and releases, module by module."""
         order = {
             phase: sorted((m for m in units if phase in windows.get(m, {})), key=lambda m: windows[m][phase][0])
             for phase in (Phase.FORWARD, Phase.BACKWARD)

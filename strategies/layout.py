@@ -189,12 +189,6 @@ class PreparedLayout:
         return step
 
 
-def accumulation_modelled(layout: Layout) -> bool:
-    """Gradient accumulation is traced through every runtime but DeepSpeed's ZeRO (its gradient partitions
-    and accumulation buffers per micro-step are not modelled)."""
-    return not isinstance(data_parallel(layout), DeepSpeedZero)
-
-
 def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> PreparedLayout:
     """Refuse, before any tracing, a layout this model or step cannot be split into; otherwise the layout's
     runtimes and the step to trace for it."""
@@ -210,11 +204,6 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
         tensor.check(config)
     sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
-    if setup.grad_accum > 1 and not accumulation_modelled(layout):
-        raise UserError(
-            "--grad-accum with DeepSpeed ZeRO is not modelled yet (one GPU, DDP, --zero 1, FSDP2 and tensor "
-            "parallelism are); estimate one micro-step with --grad-accum 1."
-        )
     if setup.quantize and sharded:
         raise UserError(
             "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU and with DDP only; FSDP, "

@@ -3,12 +3,17 @@ keeps are checked against DeepSpeed's own estimators, for the same parameter cou
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from tiny_models import tiny_model
+from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
+from analysis.peak import find_peak, timeline
 from strategies.deepspeed import DeepSpeedPlan, ZeroConfig, deepspeed
+from strategies.layout import Layout, Rank, prepare
 from tracer.graph import StepGraph, build_graph
 from tracer.roles import Role
 from tracer.tracing import trace_step
@@ -73,10 +78,6 @@ def _modules(family: str):
 @pytest.mark.parametrize("hidden_size", [128, 4096, 8192])
 def test_auto_sizes_resolve_as_the_trainer_fills_them(stage, hidden_size):
     """Against transformers' own ``HfTrainerDeepSpeedConfig.trainer_config_finalize``."""
-    from types import SimpleNamespace
-
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
     keys = ("reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold")
     trainer = HfTrainerDeepSpeedConfig({"zero_optimization": {"stage": stage} | dict.fromkeys(keys, "auto")})
     model = SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size))
@@ -101,3 +102,21 @@ def test_overlap_comm_doubles_the_bucket_below_stage_3():
         for config in (ZeroConfig(reduce_bucket_size=1000), ZeroConfig(reduce_bucket_size=1000, overlap_comm=True))
     ]
     assert buckets == [2000, 4000]  # bf16
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accumulation_keeps_no_full_gradients_from_stage_2(stage):
+    """No runtime check is possible here (DeepSpeed does not run on this CPU); what its source says instead.
+    From stage 2 each micro-step's gradients go through the bucket into the partition and are freed
+    (``reduce_independent_p_g_buckets_and_remove_grads``), so accumulating micro-steps adds no memory: the
+    peak of three micro-steps is the peak of one. Stage 1 keeps the full gradients until the boundary, which
+    the peak of the later micro-steps holds."""
+    model = tiny_model("llama", num_hidden_layers=4, vocab_size=32)
+    peaks = {}
+    for zero, accum in ((stage, 1), (stage, 3), (1, 1), (1, 3)):
+        setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, grad_accum=accum)
+        prepared = prepare(Layout(gpus=4, zero=zero, engine="deepspeed"), setup, model.config)
+        step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
+        peaks[zero, accum] = find_peak(timeline(step, rounded=False)).bytes
+    assert peaks[stage, 3] == peaks[stage, 1]
+    assert peaks[1, 3] > peaks[1, 1]
