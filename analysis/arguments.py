@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list the bundled model configs")
     models.add_argument("--json", action="store_true", help="print JSON instead of a table")
     models.set_defaults(command="models")
+    parser.commands = {
+        "analyze": analyze, "measure": measure, "timeline": timeline, "compare": compare, "plan": planner,
+        "gpus": gpus, "models": models,
+    }  # fmt: skip
     return parser
 
 
@@ -136,8 +140,21 @@ def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = 
     parser.add_argument(
         "model",
         metavar="MODEL",
+        nargs="?",
+        default=None,
         help="a Hugging Face model id (bundled, cached or on the Hub), a config.json path, or a directory "
-        "holding config.json",
+        "holding config.json; may come from --config (base_model, model_name_or_path, a torchtune or "
+        "torchtitan model)",
+    )
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        default=None,
+        help="read the run's own configuration: a DeepSpeed JSON, an accelerate config YAML, Trainer / TRL "
+        "SFTConfig arguments (YAML or JSON, as the alignment-handbook writes them), an axolotl YAML, a torchtune "
+        "recipe YAML or a torchtitan TOML. Repeatable (e.g. the Trainer's arguments and the DeepSpeed JSON they "
+        "name); flags given here win. Prints what each key became and which keys were left out and why",
     )
     if not searches_batch:
         parser.add_argument(
@@ -305,6 +322,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
     )
+    parser.set_defaults(zero_config=None)  # DeepSpeed's zero_optimization sizes, from a --config file
     group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
     group.add_argument(
         "--tp",
@@ -441,6 +459,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def layout_of(args: argparse.Namespace):
     """The parallel layout the flags describe."""
+    from strategies.deepspeed import ZeroConfig
     from strategies.layout import Layout
 
     return Layout(
@@ -451,6 +470,7 @@ def layout_of(args: argparse.Namespace):
         sequence_parallel=args.sequence_parallel,
         tp_output=args.tp_output,
         offload=args.offload,
+        zero_config=args.zero_config or ZeroConfig(),
     )
 
 

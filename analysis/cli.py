@@ -22,12 +22,36 @@ EXIT_USER_ERROR = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
+        args = _parse(argv)
         _quiet_libraries()
         return RUNNERS[args.command](args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The flags, with what ``--config`` files set as their defaults: a flag given here wins."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        from analysis.flags import settings
+        from analysis.run_config import read_configs
+
+        command = parser.commands[args.command]
+        reads, values = read_configs(args.config, settings(command))
+        if not args.quiet:
+            for read in reads:
+                print("\n".join(read.summary()), file=sys.stderr)
+        command.set_defaults(**values)
+        args = parser.parse_args(argv)
+        args.config_reads = reads
+    if hasattr(args, "model") and args.model is None:
+        raise UserError(
+            "name the model: MODEL (a model id or config.json), or a --config that names one (axolotl's "
+            "base_model, the Trainer's model_name_or_path, a torchtune or torchtitan model)."
+        )
+    return args
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -17,7 +17,10 @@ MAX_COUNT = 1_048_576
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is a :class:`UserError` (one line, exit status 2) instead of the usage text."""
+    """argparse, but a usage error is a :class:`UserError` (one line, exit status 2) instead of the usage text.
+    ``commands``: each command's parser, by name."""
+
+    commands: dict[str, argparse.ArgumentParser]
 
     def error(self, message: str) -> NoReturn:
         named = re.fullmatch(r"argument (\S+?): (.*)", message, flags=re.DOTALL)
@@ -66,3 +69,10 @@ def _number(text: str, expected: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"takes {expected}, got {text!r}") from None
+
+
+def settings(parser: argparse.ArgumentParser) -> dict[str, argparse.Action | None]:
+    """What a command takes, by dest: its flags' actions, and None for a setting without a flag (a
+    ``set_defaults`` a config file may fill)."""
+    actions: dict[str, argparse.Action | None] = {action.dest: action for action in parser._actions}
+    return {dest: None for dest in parser._defaults} | actions

@@ -10,6 +10,8 @@ from torch import nn
 from tracer.errors import UserError
 from tracer.training import LoraSetup
 
+ALL_LINEAR = "all-linear"
+
 
 def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
     """``get_peft_model`` with ``LoraConfig(r, lora_alpha, target_modules, lora_dropout)``: the base is
@@ -19,7 +21,7 @@ def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
-        target_modules=list(lora.targets) if lora.targets else None,
+        target_modules=_target_modules(lora.targets),
         lora_dropout=lora.dropout,
         bias="none",
         task_type="CAUSAL_LM",
@@ -32,6 +34,13 @@ def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
             f"peft cannot add LoRA adapters to this model: {error} Name the layers with --lora-targets "
             "(for example q_proj,v_proj)."
         ) from None
+
+
+def _target_modules(targets: tuple[str, ...] | None) -> list[str] | str | None:
+    """Module names, or peft's ``"all-linear"`` (every linear layer but the output one)."""
+    if targets == (ALL_LINEAR,):
+        return ALL_LINEAR
+    return list(targets) if targets else None
 
 
 def _replacing_tensors(module: nn.Module, *args, **kwargs) -> nn.Module:
