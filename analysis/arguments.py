@@ -8,6 +8,7 @@ import argparse
 import os
 
 from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, rate, share
+from analysis.recipes import RECIPES
 from tracer.errors import UserError
 from tracer.gpus import PCIE_4_X16_GBPS
 from tracer.training import (
@@ -167,11 +168,22 @@ def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = 
         help="tokens per sequence (default 1024)",
     )
     parser.add_argument(
+        "--recipe",
+        choices=tuple(RECIPES),
+        default=None,
+        help="the framework whose training step to reproduce, as its own code runs it: "
+        + "; ".join(f"{r.name} = {r.what}" for r in RECIPES.values())
+        + ". Sets the defaults that framework uses (--config files and flags given here win) and prints the "
+        "source lines each follows and what the framework does that the estimate does not model",
+    )
+    parser.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=(*DTYPES, "checkpoint"),
         default=None,
         help="dtype of the stored parameters: given alone, the whole step runs in it (pure bf16 or fp16, or "
-        "plain fp32). Default: fp32 under --mixed-precision for training; bf16 (fp16 on GPUs without bf16) for "
+        "plain fp32); checkpoint = the dtype config.json says the checkpoint is stored in, which from_pretrained "
+        "loads by default since transformers 5. Default: fp32 under --mixed-precision for training; bf16 (fp16 on "
+        "GPUs without bf16) for "
         "inference and for quantized base weights, the dtype checkpoints are served and computed in",
     )
     parser.add_argument(
@@ -291,6 +303,13 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         "loss = outputs.loss, as accelerate's examples do): the logits and the key/value cache transformers "
         "returns in training live until the next forward returns. Default: dropped before backward, as the "
         "HF Trainer does",
+    )
+    group.add_argument(
+        "--accelerate-prepared",
+        action="store_true",
+        help="the model went through accelerator.prepare, as in the HF Trainer and accelerate loops: under "
+        "--mixed-precision its outputs come back as fp32 copies (convert_outputs_to_fp32), and with "
+        "--keep-outputs the logits kept through backward are fp32",
     )
     group.add_argument(
         "--lora-r", type=count(), default=None, help="train LoRA adapters of this rank (peft); default: off"
@@ -514,6 +533,7 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
         quantize=quantize,
         grad_accum=args.grad_accum,
         keep_outputs=args.keep_outputs,
+        accelerate_prepared=args.accelerate_prepared,
         optimizer_impl=args.optimizer_impl,
         pcie_gbps=_given(getattr(args, "pcie_gbps", None), PCIE_4_X16_GBPS),
         **inference,

@@ -31,27 +31,50 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    """The flags, with what ``--config`` files set as their defaults: a flag given here wins."""
+    """The flags, with what ``--recipe`` and then ``--config`` files set as their defaults: a flag given here
+    wins."""
+    from analysis.flags import settings
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = parser.commands[args.command]
+    defaults: dict = {}
+    if getattr(args, "recipe", None):
+        from analysis.recipes import RECIPES
+
+        chosen = RECIPES[args.recipe]
+        defaults |= {dest: value for dest, value in chosen.defaults.items() if dest in settings(command)}
+        if not args.quiet:
+            print("\n".join(chosen.summary()), file=sys.stderr)
     if getattr(args, "config", None):
-        from analysis.flags import settings
         from analysis.run_config import read_configs
 
-        command = parser.commands[args.command]
         reads, values = read_configs(args.config, settings(command))
         if not args.quiet:
             for read in reads:
                 print("\n".join(read.summary()), file=sys.stderr)
-        command.set_defaults(**values)
+        defaults |= values
+    if defaults:
+        command.set_defaults(**defaults)
         args = parser.parse_args(argv)
-        args.config_reads = reads
     if hasattr(args, "model") and args.model is None:
         raise UserError(
             "name the model: MODEL (a model id or config.json), or a --config that names one (axolotl's "
             "base_model, the Trainer's model_name_or_path, a torchtune or torchtitan model)."
         )
+    if getattr(args, "dtype", None) == "checkpoint":
+        args.dtype = _stored_dtype(args.model)
     return args
+
+
+def _stored_dtype(model_id: str) -> str:
+    """The dtype config.json says the checkpoint is stored in (float32 when it does not say)."""
+    from analysis.run_config import TORCH_DTYPES
+    from tracer.resolve import resolve_model
+
+    config = resolve_model(model_id).config
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return TORCH_DTYPES.get(str(stored).removeprefix("torch."), "fp32")
 
 
 def _run_plan(args: argparse.Namespace) -> int:

@@ -84,7 +84,12 @@ def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult
     autocast = partial(torch.autocast, device.type, dtype=setup.autocast_dtype) if setup.autocast_dtype else None
     scaler = torch.amp.GradScaler(device.type) if setup.mixed_precision == "fp16" else None
     step = TrainingStep(
-        net, optimizer, scaler=scaler, keep_outputs=setup.keep_outputs, **({"autocast": autocast} if autocast else {})
+        net,
+        optimizer,
+        scaler=scaler,
+        keep_outputs=setup.keep_outputs,
+        fp32_outputs=setup.accelerate_prepared and setup.mixed_precision is not None,
+        **({"autocast": autocast} if autocast else {}),
     )
     micro_steps = setup.grad_accum
     if not any(_stepped(lambda: step.run(batch, micro_steps=micro_steps), scaler) for _ in range(MAX_SKIPPED_STEPS)):

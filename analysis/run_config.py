@@ -522,8 +522,10 @@ def _precision(data: dict, read: ReadConfig, quantized: bool) -> None:
         key, dtype = low, low
     if dtype in ("bf16", "fp16"):
         read.set("dtype", dtype, key)
-        if low:
-            read.notes.append(f"{key} {dtype} with {low}: autocast over {dtype} weights, estimated as pure {dtype}")
+        if low == dtype == "bf16" and not quantized:
+            read.set("mixed_precision", low, low)  # autocast over the bf16 weights
+        elif low:
+            read.notes.append(f"{key} {dtype} with {low}: the step runs in {dtype}, estimated without autocast")
     elif low:
         read.set("mixed_precision", low, low)
     elif data.get("bf16") is False and data.get("fp16") in (False, None):

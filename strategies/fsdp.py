@@ -79,6 +79,8 @@ class Fsdp2:
             return setup, None
         low = setup.mixed_precision
         note = f"FSDP2 MixedPrecisionPolicy(param_dtype={low}, reduce_dtype=float32) instead of autocast"
+        if setup.dtype != "fp32":
+            note = f"{setup.dtype} weights: FSDP2 shards, gathers and updates them in {setup.dtype}, without autocast"
         lora = setup.lora and dataclasses.replace(setup.lora, float32_adapters=False)  # adapters compute in low
         return dataclasses.replace(setup, dtype=low, mixed_precision=None, lora=lora), note
 
@@ -89,7 +91,7 @@ class Fsdp2:
         return [0, self.world - 1] if uneven else [0]
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
-        mixed = setup.mixed_precision is not None
+        mixed = setup.mixed_precision is not None and setup.dtype == "fp32"  # fp32 shards, low-precision compute
         sharded = fsdp(step, FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload))
         reduce_bytes = FLOAT32_BYTES if mixed else None  # MixedPrecisionPolicy(reduce_dtype=float32)
         return recorded(sharded, *sharded_data_parallel(step, self.reshard_after_forward, reduce_bytes))

@@ -5,9 +5,11 @@ against."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
+from types import SimpleNamespace
 from unittest.mock import patch
 
 import torch
@@ -322,3 +324,101 @@ def runtime_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ran
     fp32 = dataclasses.replace(setup, mixed_precision=None)
     mixed = setup.mixed_precision is not None
     return fsdp2_peak(model, fp32, layout.dp, rank.dp, mixed, reshard_after_forward=layout.zero == 3)
+
+
+def trainer_peak(model: ResolvedModel, setup: TrainingSetup, **arguments) -> int:
+    """The Hugging Face Trainer's own loop (``Trainer.train``: accelerate's wrapping, the loss, gradient
+    clipping, ``model.zero_grad()``) on real CPU tensors, its third optimizer step tracked with MemTracker from
+    a callback. ``arguments``: TrainingArguments, e.g. ``bf16=True, optim="adamw_torch_fused"``."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    net = build_model(model.config, setup)
+    ids = make_batch(model.config, dataclasses.replace(setup, batch_size=1), "cpu").input_ids[0]
+    micro_steps = arguments.get("gradient_accumulation_steps", 1)
+    data = [{"input_ids": ids, "labels": ids.clone()}] * (setup.batch_size * micro_steps * 3)
+    peaks: list[int] = []
+
+    class TrackThirdStep(TrainerCallback):
+        tracker: MemTracker | None = None
+
+        def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+            if state.global_step == 2:
+                self.tracker = _FrozenAwareMemTracker()
+                self.tracker.track_external(net, optimizer)
+                self.tracker.__enter__()
+
+        def on_substep_end(self, args, state, control, **kwargs):
+            if self.tracker is not None and not peaks:  # a micro-step of accumulation: MemTracker keeps the peak
+                self.tracker.reset_mod_stats()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.tracker is not None and not peaks:
+                self.tracker.__exit__(None, None, None)
+                peaks.append(self.tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+    with tempfile.TemporaryDirectory() as output:
+        args = TrainingArguments(
+            output_dir=output,
+            per_device_train_batch_size=setup.batch_size,
+            max_steps=3,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            remove_unused_columns=False,
+            **arguments,
+        )
+        Trainer(model=net, args=args, train_dataset=data, callbacks=[TrackThirdStep()]).train()
+    return peaks[0]
+
+
+class _FrozenAwareMemTracker(MemTracker):
+    """MemTracker without the gradient hooks it would put on frozen parameters (peft's base), which refuse hooks
+    and never get a gradient; the hooks only label gradients, the totals do not depend on them."""
+
+    def _track_module_params_and_buffers(self, module: nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+        no_hook = SimpleNamespace(remove=lambda: None)
+        for param in module.parameters():
+            if not param.requires_grad:
+                self._param_to_grad_hook_handles.setdefault(param, (no_hook, no_hook))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+
+def accelerate_loop_peak(model: ResolvedModel, setup: TrainingSetup, mixed_precision: str = "no") -> int:
+    """The loop of accelerate's examples (examples/nlp_example.py): ``outputs = model(**batch); loss =
+    outputs.loss; accelerator.backward(loss); optimizer.step(); optimizer.zero_grad()``, ``outputs`` alive until
+    the next forward returns; its third step tracked with MemTracker."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    torch.manual_seed(0)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: another run set it
+    accelerator = Accelerator(cpu=True, mixed_precision=mixed_precision)
+    net = build_model(model.config, setup)
+    optimizer_class, arguments = optimizer_recipe(setup)
+    net, optimizer = accelerator.prepare(net, optimizer_class(net.parameters(), **arguments))
+    batch = make_batch(model.config, setup, "cpu")
+    outputs = None
+    for step in range(3):
+        tracker = _FrozenAwareMemTracker()
+        if step == 2:  # what the previous step's outputs hold is live when this one starts
+            tracker.track_external(net, optimizer, batch.input_ids, batch.labels, *_tensors_of(outputs))
+            tracker.__enter__()
+        outputs = model_outputs = net(input_ids=batch.input_ids, labels=batch.labels)
+        accelerator.backward(model_outputs.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        del model_outputs
+    tracker.__exit__(None, None, None)
+    del outputs
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _tensors_of(outputs) -> list[torch.Tensor]:
+    """The tensors a model output holds: its fields, and the keys and values of its cache."""
+    tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
+    cache = outputs.get("past_key_values")
+    for layer in getattr(cache, "layers", []):
+        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
+    return tensors

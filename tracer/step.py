@@ -107,7 +107,8 @@ class TrainingStep:
     ``keep_outputs``: the loop holds the model's outputs (``outputs = model(**batch)``, as accelerate's
     examples write it) until the next forward returns new ones, so the logits, and the key/value cache
     transformers returns in training without checkpointing, live through backward and the optimizer step
-    into the next step's forward. The Trainer drops them before backward."""
+    into the next step's forward. The Trainer drops them before backward. ``fp32_outputs``: the forward is
+    wrapped as accelerate wraps it under mixed precision, its bf16/fp16 outputs copied to fp32."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
@@ -115,13 +116,22 @@ class TrainingStep:
     scaler: torch.amp.GradScaler | None = None
     keep_outputs: bool = False
     kept_outputs: ModelOutput | None = None
+    fp32_outputs: bool = False  # accelerate's convert_outputs_to_fp32 around the forward
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        with self.autocast():
+            outputs = self.model(batch.input_ids, labels=batch.labels)
+        if self.fp32_outputs:
+            from accelerate.utils.operations import convert_to_fp32
+
+            outputs = convert_to_fp32(outputs)
+        return outputs
 
     def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None, micro_steps: int = 1) -> None:
         """One optimizer step after ``micro_steps`` forward and backward passes (gradient accumulation)."""
         for _ in range(micro_steps):
             on_phase(Phase.FORWARD)
-            with self.autocast():
-                outputs = self.model(batch.input_ids, labels=batch.labels)
+            outputs = self.forward(batch)
             loss = outputs.loss
             self.kept_outputs = outputs if self.keep_outputs else None
             del outputs
@@ -142,8 +152,8 @@ class TrainingStep:
         the optimizer state (and the GradScaler's scale) exactly as a first real step would; a loop that keeps
         its outputs holds the previous step's, which a forward without autograd makes."""
         if self.keep_outputs:
-            with torch.no_grad(), self.autocast():
-                self.kept_outputs = self.model(batch.input_ids, labels=batch.labels)
+            with torch.no_grad():
+                self.kept_outputs = self.forward(batch)
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
             param.grad = torch.zeros_like(param)

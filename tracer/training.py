@@ -28,6 +28,7 @@ QUANTIZATIONS = ("nf4", "fp4", "int8")  # bitsandbytes storage of frozen weights
 MODES = ("train", "inference")
 TRAINING_ONLY = (
     "mixed_precision",
+    "accelerate_prepared",
     "optimizer",
     "grad_checkpointing",
     "reentrant",
@@ -65,7 +66,8 @@ class TrainingSetup:
     optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
 
     ``dtype`` is the dtype of the stored parameters. ``mixed_precision`` runs the forward under autocast
-    in that dtype with fp32 parameters, gradients and optimizer states (the usual Trainer recipe).
+    in that dtype: over fp32 parameters, gradients and optimizer states, or over bf16 ones, as the Trainer
+    runs a bf16 checkpoint (which ``from_pretrained`` loads in bf16) with ``bf16=True``.
     """
 
     batch_size: int = 1
@@ -82,6 +84,9 @@ class TrainingSetup:
     quantize: str | None = None
     grad_accum: int = 1
     keep_outputs: bool = False  # the loop holds the model's outputs until the next forward (tracer/step.py)
+    # the model went through accelerator.prepare (the Trainer and accelerate loops): under mixed precision its
+    # forward is wrapped in convert_outputs_to_fp32, and the bf16/fp16 outputs come back as fp32 copies
+    accelerate_prepared: bool = False
     optimizer_impl: str | None = None  # None: torch's default for the device
     pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
     mode: str = "train"
@@ -100,10 +105,16 @@ class TrainingSetup:
         if self.mixed_precision is not None:
             if self.mixed_precision not in ("bf16", "fp16"):
                 raise UserError(f"--mixed-precision must be bf16 or fp16 (got {self.mixed_precision!r}).")
-            if self.dtype != "fp32":
+            if self.dtype == "fp16" and self.mixed_precision == "fp16":
                 raise UserError(
-                    "--mixed-precision keeps fp32 master weights: use it with --dtype fp32 (the default), "
-                    f"not --dtype {self.dtype}."
+                    "fp16 weights under fp16 autocast do not train: the GradScaler refuses to unscale fp16 "
+                    "gradients. Use --dtype fp32 --mixed-precision fp16, or --dtype fp16 alone."
+                )
+            if self.dtype not in ("fp32", self.mixed_precision):
+                raise UserError(
+                    f"--mixed-precision {self.mixed_precision} over --dtype {self.dtype} weights is not a recipe "
+                    "anyone runs: use --dtype fp32 (fp32 master weights) or --dtype "
+                    f"{self.mixed_precision} (autocast over the checkpoint's own dtype)."
                 )
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (got {self.optimizer!r}).")
