@@ -42,6 +42,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if getattr(args, "recipe", None):
         from analysis.recipes import RECIPES
 
+        if getattr(args, "mode", "train") == "inference":
+            raise UserError("--recipe describes a framework's training step: drop it with --mode inference.")
+
         chosen = RECIPES[args.recipe]
         defaults |= {dest: value for dest, value in chosen.defaults.items() if dest in settings(command)}
         if not args.quiet:

@@ -604,7 +604,10 @@ def _torchtune(data: dict, read: ReadConfig) -> None:
             read.ignore("model.apply_lora_to_output", "a LoRA adapter on the output projection is not modelled")
     if builder.startswith("qlora_"):
         read.set("qlora", True, "model._component_")
-        read.notes.append("QLoRA: torchao's NF4Tensor, estimated with bitsandbytes' NF4 storage (the same bytes)")
+        read.notes.append(
+            "QLoRA: torchao's NF4Tensor, estimated with bitsandbytes' NF4 layout (4 bits per weight, blocks of 64, "
+            "quantized scales)"
+        )
     read.set("batch_size", data.get("batch_size"), "batch_size")
     read.set("grad_accum", data.get("gradient_accumulation_steps"), "gradient_accumulation_steps")
     read.set("seq_len", (data.get("tokenizer") or {}).get("max_seq_len"), "tokenizer.max_seq_len")

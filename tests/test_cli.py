@@ -167,9 +167,14 @@ def test_bad_numbers_and_names(tmp_path, capsys, flag, value, message):
     _assert_user_error(code, err, message)
 
 
-def test_mixed_precision_needs_fp32_weights(tmp_path, capsys):
-    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--dtype", "bf16", "--mixed-precision", "bf16")
-    _assert_user_error(code, err, "--mixed-precision keeps fp32 master weights")
+@pytest.mark.parametrize(
+    ("dtype", "autocast", "fragment"),
+    [("bf16", "fp16", "not a recipe anyone runs"), ("fp16", "fp16", "the GradScaler refuses to unscale fp16")],
+)
+def test_mixed_precision_over_weights_it_cannot_train(tmp_path, capsys, dtype, autocast, fragment):
+    """fp32 weights, or autocast over the weights' own bf16 (a bf16 checkpoint under the Trainer's bf16=True)."""
+    code, _, err = _run(capsys, "analyze", str(_config_file(tmp_path)), "--dtype", dtype, "--mixed-precision", autocast)
+    _assert_user_error(code, err, fragment)
 
 
 def test_sequence_beyond_the_model_maximum_warns(tmp_path, capsys):

@@ -25,17 +25,24 @@ TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 SLOW = pytest.mark.slow
 
 
-def _compare(tmp_path, shape: dict, stored: str, recipe: str, flags: tuple[str, ...], run) -> None:
-    """``run(model, setup)``: the framework's peak for the model stored in ``stored``; the estimate is of the
-    setup ``--recipe`` gives for the same config.json."""
+def estimate_and_runtime(
+    shape: dict, stored: str, recipe: str, flags: tuple[str, ...], run, directory
+) -> tuple[int, int]:
+    """The estimate of the setup ``--recipe`` gives for a tiny config.json stored in ``stored``, and
+    ``run(model, setup)``: the framework's own peak for that model (benchmarks/framework_accuracy.py too)."""
     model = tiny_model("llama", **shape, dtype=TORCH_DTYPES[stored])
-    path = tmp_path / "config.json"
+    path = directory / "config.json"
     path.write_text(model.config.to_json_string())
     argv = ["analyze", str(path), "--recipe", recipe, "--target", "cpu", "--batch-size", "2", "--seq-len", "32"]
     setup = setup_of(_parse([*argv, "--quiet", *flags]))
+    assert setup.target is Target.CPU
     runtime = run(model, dataclasses.replace(setup, dtype=stored, mixed_precision=None, accelerate_prepared=False))
     estimate = find_peak(timeline(build_graph(trace_step(model, setup)), rounded=False)).bytes
-    assert setup.target is Target.CPU
+    return estimate, runtime
+
+
+def _compare(tmp_path, shape: dict, stored: str, recipe: str, flags: tuple[str, ...], run) -> None:
+    estimate, runtime = estimate_and_runtime(shape, stored, recipe, flags, run, tmp_path)
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 

@@ -131,8 +131,8 @@ def test_a_config_file_is_the_flags_it_stands_for(tiny_config, capsys):
     read = _json(capsys, str(tiny_config), *files, "--gpus", "2", "--batch-size", "2")
     flags = _json(
         capsys, str(tiny_config), "--gpus", "2", "--zero", "3", "--engine", "deepspeed", "--offload",
-        "optimizer,params", "--batch-size", "2", "--grad-accum", "1", "--dtype", "bf16", "--grad-checkpointing",
-        "--optimizer", "adamw",
+        "optimizer,params", "--batch-size", "2", "--grad-accum", "1", "--dtype", "bf16", "--mixed-precision", "bf16",
+        "--grad-checkpointing", "--optimizer", "adamw",
     )  # fmt: skip
     runtime = read["setup"].pop("data_parallel"), flags["setup"].pop("data_parallel")
     assert read["setup"] == flags["setup"]
@@ -187,3 +187,18 @@ def test_files_that_disagree_are_refused(tiny_config, tmp_path, capsys):
     second.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}')
     code, _, err = _run(capsys, "analyze", str(tiny_config), "--config", str(first), "--config", str(second))
     assert code == EXIT_USER_ERROR and "disagree" in err and "--batch-size 2" in err
+
+
+def test_a_recipe_is_for_training(tiny_config, capsys):
+    code, _, err = _run(capsys, "analyze", str(tiny_config), "--recipe", "trainer", "--mode", "inference")
+    assert code == EXIT_USER_ERROR and "--recipe describes a framework's training step" in err
+
+
+def test_a_recipe_prints_its_sources_and_flags_win(tiny_config, capsys):
+    code, out, err = _run(
+        capsys, "analyze", str(tiny_config), "--recipe", "torchtune", "--optimizer", "sgd", "--seq-len", "32", "--json"
+    )
+    assert code == 0, err
+    assert "--recipe torchtune" in err and "lora_finetune_single_device.py" in err and "not modelled" in err
+    setup = json.loads(out)["setup"]
+    assert setup["dtype"] == "bf16" and setup["grad_checkpointing"] == "full" and setup["optimizer"] == "sgd"
