@@ -141,12 +141,10 @@ RECIPES = {
             "fsdp-qlora",
             "Answer.AI's fsdp_qlora train.py",
             {
-                "qlora": True,
                 "dtype": "bf16",
                 "grad_checkpointing": "full",
                 "reentrant": True,
                 "keep_outputs": True,
-                "lora_r": 64,
                 "optimizer": "adamw",
             },
             (
@@ -154,11 +152,16 @@ RECIPES = {
                 "train.py:778-792 and benchmarks_03_2024.md:25: checkpoint_wrapper per decoder layer, run with "
                 "--reentrant_checkpointing True",
                 "train.py:871-877, 894, 923-926: output is kept until after the optimizer step",
-                "train.py:1058: LoRA rank 64; train.py:458-460: torch.optim.AdamW(fused=False)",
+                "train.py:458-460: torch.optim.AdamW(fused=False)",
+                "train.py:1058-1061: --train_type qlora trains rank-64 adapters on q, k, v, gate, up and down: add "
+                "--qlora --lora-r 64 --lora-targets q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj (--lora-r 64 ... "
+                "for --train_type lora)",
             ),
             (
-                "FSDP1 with bnb Linear4bit(quant_storage=bf16) over several GPUs: quantized weights under FSDP are "
-                "not modelled yet (one GPU is)",
+                "FSDP1's FlatParameter over Linear4bit(quant_storage=bf16) (train.py:615-616, 740-766), estimated with "
+                "FSDP2's per-parameter shards of the same packed bytes: give --gpus N --zero 3",
+                "train.py offloads to the CPU by default (:1050): add --offload optimizer,params to match",
+                "whether the adapters train in bf16 depends on the peft version; the estimate keeps peft's fp32 ones",
             ),
         ),
         Recipe(

@@ -203,11 +203,11 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
     if layout.tp > 1:
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
         tensor.check(config)
-    sharded = layout.tp > 1 or layout.zero >= 2 or (layout.engine == "deepspeed" and layout.zero > 0)
-    if setup.quantize and sharded:
+    if setup.quantize and (layout.tp > 1 or (layout.engine == "deepspeed" and layout.zero)):
         raise UserError(
-            "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU and with DDP only; FSDP, "
-            "DeepSpeed and tensor parallelism store them differently."
+            "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU, with DDP, ZeRO-1 and FSDP2 "
+            "(which shards the packed weights like any frozen parameter); DeepSpeed ZeRO-3 and tensor parallelism "
+            "store them differently. Use --engine fsdp or --tp 1."
         )
     if setup.lora and layout.tp > 1:
         raise UserError(

@@ -184,6 +184,7 @@ def test_variants_compose_with_the_parallel_runtimes(family, layout, options):
 # runtimes' gradient buffers are live (with a large vocabulary it sits at the loss and hides them).
 BACKWARD_PEAK = {"num_hidden_layers": 8, "vocab_size": 32, "num_attention_heads": 8, "num_key_value_heads": 8}
 ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
+QLORA = {"dtype": "bf16", "quantize": "nf4", "lora": ADAPTERS}  # FSDP2 shards the packed weights too
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,7 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
             {"lora": ADAPTERS, "mixed_precision": "bf16", "grad_checkpointing": "full", "reentrant": True},
         ),
         (Layout(gpus=4, zero=3), {"grad_accum": 2}),
+        (Layout(gpus=4, zero=3), QLORA | {"grad_checkpointing": "full", "reentrant": True}),
         *(
             pytest.param(layout, options, marks=pytest.mark.slow)
             for layout, options in (
@@ -207,6 +209,10 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
                 (Layout(gpus=2, tp=2), {"grad_accum": 2}),
                 (Layout(gpus=2, tp=2, sequence_parallel=True), {"grad_accum": 2, "grad_checkpointing": "full"}),
                 (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
+                (Layout(gpus=4, zero=3), QLORA),
+                (Layout(gpus=4, zero=2), QLORA | {"quantize": "int8", "grad_accum": 2}),
+                (Layout(gpus=4, zero=1), QLORA),
+                (Layout(gpus=4), QLORA | {"quantize": "int8"}),
             )
         ),
     ],
@@ -215,7 +221,8 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
 def test_compositions_where_the_peak_is_in_backward(layout, options):
     """FSDP2 reduce-scatters only the gradients that exist (the adapters'), its MixedPrecisionPolicy computes
     the adapters in the low dtype too (peft keeps them fp32 only in a low-precision model), and with
-    gradient accumulation it reduce-scatters every micro-step and adds into the sharded gradients."""
+    gradient accumulation it reduce-scatters every micro-step and adds into the sharded gradients. QLoRA and
+    LLM.int8() weights are frozen parameters like others: sharded and gathered packed."""
     model = tiny_model("llama", **BACKWARD_PEAK)
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
     runtime = runtime_peak(model, setup, layout, Rank())
