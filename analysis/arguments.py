@@ -321,6 +321,14 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's choice for the model)",
     )
+    group.add_argument(
+        "--adapter-dtype",
+        choices=("fp32", "model"),
+        default=None,
+        help="dtype of the LoRA adapters of a bf16/fp16 model: fp32 (default), as peft >= 0.11 keeps them "
+        "(get_peft_model's autocast_adapter_dtype=True), or the model's own (autocast_adapter_dtype=False, "
+        "axolotl's peft_autocast_adapter_dtype: false, or peft before 0.11)",
+    )
     quantization = group.add_mutually_exclusive_group()
     quantization.add_argument(
         "--qlora",
@@ -509,6 +517,7 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
             alpha=_given(args.lora_alpha, LoraSetup.alpha),
             targets=targets,
             dropout=_given(args.lora_dropout, LoraSetup.dropout),
+            float32_adapters=args.adapter_dtype != "model",
         )
     inference = {
         name: _given(getattr(args, name), getattr(defaults, name))
@@ -571,7 +580,7 @@ def _refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
 
     inference = getattr(args, "mode", "train") == "inference"
     lora = given("lora_r") or args.qlora or args.load_in_8bit
-    for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+    for name in ("lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype"):
         if given(name) and not lora:
             raise UserError(f"--{name.replace('_', '-')} sets up LoRA adapters: add --lora-r R (or --qlora).")
     if inference and given("optimizer"):

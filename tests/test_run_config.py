@@ -202,3 +202,14 @@ def test_a_recipe_prints_its_sources_and_flags_win(tiny_config, capsys):
     assert "--recipe torchtune" in err and "lora_finetune_single_device.py" in err and "not modelled" in err
     setup = json.loads(out)["setup"]
     assert setup["dtype"] == "bf16" and setup["grad_checkpointing"] == "full" and setup["optimizer"] == "sgd"
+
+
+def test_adapter_dtype_is_peft_autocast_adapter_dtype(tiny_config, capsys):
+    """peft >= 0.11 keeps the adapters of a bf16 model in fp32; autocast_adapter_dtype=False keeps them bf16."""
+    flags = ("--dtype", "bf16", "--lora-r", "8", "--seq-len", "32", "--target", "cpu")
+    fp32 = _json(capsys, str(tiny_config), *flags)
+    model = _json(capsys, str(tiny_config), *flags, "--adapter-dtype", "model")
+    assert fp32["setup"]["lora"]["float32_adapters"] and not model["setup"]["lora"]["float32_adapters"]
+    assert model["peak_bytes"] < fp32["peak_bytes"]
+    code, _, err = _run(capsys, "analyze", str(tiny_config), "--adapter-dtype", "model")
+    assert code == EXIT_USER_ERROR and "--adapter-dtype sets up LoRA adapters" in err
