@@ -284,8 +284,9 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         const="full",
         default=None,
         help="recompute activations in backward: full = every decoder layer (model.gradient_checkpointing_enable), "
-        "selective = the attention of every decoder layer; the bare flag means full, as HF's "
-        "gradient_checkpointing=True does; default: off",
+        "op = every decoder layer under torchtitan's per-op selective policy (the outputs of matmuls and attention "
+        "saved, but every second matmul, the rest recomputed), selective = the attention of every decoder layer; "
+        "the bare flag means full, as HF's gradient_checkpointing=True does; default: off",
     )
     group.add_argument(
         "--reentrant", action="store_true", help="with --grad-checkpointing full: use_reentrant=True (default False)"

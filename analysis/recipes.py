@@ -122,16 +122,22 @@ RECIPES = {
         Recipe(
             "torchtitan",
             "torchtitan's trainer with FSDP2",
-            {"dtype": "fp32", "mixed_precision": "bf16", "optimizer": "adamw", "optimizer_impl": "fused"},
+            {
+                "dtype": "fp32",
+                "mixed_precision": "bf16",
+                "grad_checkpointing": "op",
+                "optimizer": "adamw",
+                "optimizer_impl": "fused",
+            },
             (
                 "configs.py:87, 94, 102: fp32 parameters, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+                "trainer.py:108-110, activation_checkpoint.py:31-94, 241-274: selective checkpointing per op by "
+                "default (the 70B config uses full: --grad-checkpointing full)",
                 "trainer.py:795-799: del pred before backward",
                 "components/optimizer.py:109-111, 152-165: AdamW, implementation fused",
             ),
             (
                 "torchtitan's own model code (estimated with transformers' model of the same config)",
-                "selective activation checkpointing per op, torchtitan's default (activation_checkpoint.py:31-94, "
-                "241-274): not modelled, give --grad-checkpointing full for a lower bound",
                 "CUDA graphs, on by default, zero gradients in place (trainer.py:845): gradients stay allocated "
                 "across steps, which the estimate frees",
                 "the Llama 3 configs' chunked loss (components/loss.py:544, 627-699)",

@@ -688,13 +688,13 @@ def _torchtitan(data: dict, read: ReadConfig) -> None:
     mode = checkpoint.get("mode", "selective")
     if mode == "full":
         read.set("grad_checkpointing", "full", "activation_checkpoint.mode")
+    elif mode == "selective" and checkpoint.get("selective_ac_option", "op") == "op":
+        read.set("grad_checkpointing", "op", "activation_checkpoint.selective_ac_option")
     elif mode == "selective":
-        option = checkpoint.get("selective_ac_option", "2")
         read.ignore(
             "activation_checkpoint",
-            f"selective_ac_option {option!r} ({'per op' if option == 'op' else f'every {option} layers'}) is "
-            "torchtitan's own policy, not modelled yet: estimated without checkpointing (an upper bound); "
-            "--grad-checkpointing full gives a lower bound",
+            f"selective_ac_option {checkpoint['selective_ac_option']!r} (every N layers) is not modelled: estimated "
+            "without checkpointing (an upper bound); --grad-checkpointing full gives a lower bound",
         )
     optimizer = data.get("optimizer") or {}
     if str(optimizer.get("name", "AdamW")).lower() in ("adamw", "adam"):
@@ -704,3 +704,4 @@ def _torchtitan(data: dict, read: ReadConfig) -> None:
         read.ignore("compile", "torch.compile's fused kernels are not modelled: estimated as eager")
     if any(((data.get("quantize") or {}).get("linear") or {}).get(kind, {}).get("enable") for kind in ("float8", "mx")):
         read.ignore("quantize", "float8 / MX training is not modelled")
+    read.use("compile", "quantize")

@@ -6,7 +6,8 @@ the command line (a ``--recipe`` and flags), the metric the source reports, and 
 No constant is fitted to these numbers: every byte comes from the traced step and the runtimes' rules. Rows
 whose model or setup cannot be reproduced are listed with the reason instead of a number.
 
-Source so far: Answer.AI's fsdp_qlora benchmarks (AnswerDotAI/fsdp_qlora benchmarks_03_2024.md, read at
+Sources: torchtitan's Llama 3.1 benchmarks on H100 (torchtitan's own model code, estimated with transformers'
+Llama of the same config), and Answer.AI's fsdp_qlora benchmarks (AnswerDotAI/fsdp_qlora benchmarks_03_2024.md, read at
 05ed9f2; train.py at 50efa1e). Its template command: ``train.py --model_name meta-llama/Llama-2-7b-hf
 --batch_size 1 --context_length 512 --train_type qlora --use_gradient_checkpointing True
 --reentrant_checkpointing True --use_cpu_offload False --dataset dummy`` on 2 GPUs; its tables report
@@ -74,11 +75,25 @@ CASES = [
     _answer_ai("123-132", "LoRA, CPU offload, batch 10, 2048", False, 10, 2048, OFFLOADED, "rtx4090", 22.69),
     _answer_ai("123-132", "QLoRA, CPU offload, batch 12, 2048", True, 12, 2048, OFFLOADED, "rtx4090", 22.38),
 ]
+TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+# torchtitan 9dec370 (2024-12-26), 8 H100 per host; train_configs/llama3_8b.toml: 8192 tokens, selective
+# checkpointing per op; FSDP2 with bf16 parameters and fp32 reductions; the logged memory is
+# memory_stats()["reserved_bytes.all.peak"], the maximum over the GPUs.
+TORCHTITAN_8B = ("--recipe", "torchtitan", "--zero", "3", "--batch-size", "2", "--seq-len", "8192", "--gpu", "h100")
+CASES += [
+    Published(f"{TORCHTITAN}: Table 1", "Llama 3.1 8B, FSDP over 8", "meta-llama/Llama-3.1-8B",
+              (*TORCHTITAN_8B, "--gpus", "8"), "reserved", 82.4),
+    Published(f"{TORCHTITAN}: Table 3", "Llama 3.1 8B, FSDP over 128", "meta-llama/Llama-3.1-8B",
+              (*TORCHTITAN_8B, "--gpus", "128"), "reserved", 67.0),
+]  # fmt: skip
 NOT_REPRODUCED = [
     (f"{ANSWER_AI}:87-92, 140-145", "Yi 34B rows", "the model id is not given and its config is not bundled"),
     (f"{ANSWER_AI}:161-166", "Mistral 7B v0.2 rows", "the model id is not given; v0.2's config is not bundled"),
     (f"{ANSWER_AI}:102-106, 151-155", "Llama-2 70B QLoRA, CPU offload", "whether activations were offloaded too is "
      "not stated (the prose mentions it)"),
+    (f"{TORCHTITAN}: Tables 1, 3", "with torch.compile, Float8", "compiled kernels and float8 are not modelled"),
+    (f"{TORCHTITAN}: Tables 2, 4-6", "CP, TP with Float8, PP", "context and pipeline parallelism and float8 are not "
+     "modelled yet"),
 ]  # fmt: skip
 
 
@@ -97,9 +112,10 @@ def main() -> None:
         estimated = measure_case(case) / GIB
         error = (estimated - case.gib) / case.gib
         errors.append(abs(error))
-        flags = " ".join(case.flags[len(FSDP_QLORA) :])
+        flags = " ".join(case.flags[len(FSDP_QLORA) :] if case.source.startswith(ANSWER_AI) else case.flags)
         rows.append((case.source, case.row, case.metric, flags, f"{case.gib:.2f}", f"{estimated:.2f}", f"{error:+.1%}"))
-    headers = ["source", "row", "metric", "flags (after the fsdp-qlora recipe)", "published GiB", "estimate", "error"]
+    flags_header = "flags (Answer.AI's after the fsdp-qlora recipe)"
+    headers = ["source", "row", "metric", flags_header, "published GiB", "estimate", "error"]
     print(tabulate(rows, headers, tablefmt="github" if args.markdown else "simple", disable_numparse=True))
     print(
         f"\n{len(rows)} cases: median |error| {statistics.median(errors):.1%}, max {max(errors):.1%}, "

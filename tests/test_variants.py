@@ -230,3 +230,18 @@ def test_compositions_where_the_peak_is_in_backward(layout, options):
     step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
     estimate = find_peak(timeline(step, rounded=False))
     assert abs(estimate.bytes - runtime) / runtime <= STRATEGY_TOLERANCE, (estimate.bytes, runtime)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"mixed_precision": "bf16"},
+        pytest.param({"lora": LoraSetup(r=4, alpha=8, targets=ATTENTION)}, marks=pytest.mark.slow),
+    ],
+)
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_torchtitan_op_checkpointing(family, options):
+    """torchtitan's per-op policy, run by torch's selective checkpoint contexts: matmul and attention outputs
+    saved but every second matmul of a layer, the rest recomputed."""
+    _check(family, grad_checkpointing="op", **options)

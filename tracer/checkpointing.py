@@ -6,8 +6,10 @@ from __future__ import annotations
 import functools
 import warnings
 
+import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch._functorch.partitioners import get_default_op_list
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from tracer.errors import UserError
 from tracer.modules import decoder_blocks
@@ -15,17 +17,19 @@ from tracer.modules import decoder_blocks
 
 def enable_checkpointing(model: nn.Module, kind: str, reentrant: bool) -> None:
     """``full``: every decoder layer, as ``model.gradient_checkpointing_enable()`` does (with transformers'
-    default ``use_reentrant=False`` unless ``reentrant``). ``selective``: only the attention module of every
+    default ``use_reentrant=False`` unless ``reentrant``). ``op``: every decoder layer under torchtitan's
+    per-op selective policy (:func:`torchtitan_op_policy`). ``selective``: only the attention module of every
     decoder layer is checkpointed, its inputs kept and its internals recomputed in backward."""
-    if kind == "full":
+    if reentrant and kind != "full":  # transformers calls attention with keyword arguments; SAC needs non-reentrant
+        raise UserError(f"--grad-checkpointing {kind} runs non-reentrant: drop --reentrant.")
+    if kind in ("full", "op"):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise UserError(f"{type(model).__name__} does not support gradient checkpointing in transformers.")
+        kwargs = {"use_reentrant": reentrant} | ({"context_fn": torchtitan_op_policy} if kind == "op" else {})
         with warnings.catch_warnings():  # transformers 5 renames the method and warns about the old name
             warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return
-    if reentrant:  # transformers calls attention with keyword arguments, which reentrant checkpoint refuses
-        raise UserError("--grad-checkpointing selective runs non-reentrant: drop --reentrant.")
     attentions = [_attention_of(model.get_submodule(block)) for block in decoder_blocks(model)]
     if not attentions or None in attentions:
         raise UserError(f"--grad-checkpointing selective: no attention module found in {type(model).__name__}.")
@@ -38,3 +42,34 @@ def enable_checkpointing(model: nn.Module, kind: str, reentrant: bool) -> None:
 def _attention_of(block: nn.Module) -> nn.Module | None:
     """The block's attention: its child whose class name says so (``LlamaAttention``, ``GPT2Attention``...)."""
     return next((child for child in block.children() if "Attention" in type(child).__name__), None)
+
+
+# torchtitan's per-op save list (torchtitan/distributed/activation_checkpoint.py:31-94 at b5bcd76): torch's
+# compute-intensive ops, the other SDPA kernels, the float8 amax, linear and topk.
+_OP_SAVE_LIST = {packet.default for packet in get_default_op_list().compute_intensive_ops} | {
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_attention_math.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
+    torch.ops.aten.max.default,
+    torch.ops.aten.linear.default,
+    torch.ops.aten.topk.default,
+}
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+
+
+def torchtitan_op_policy():
+    """The checkpoint contexts of torchtitan's selective activation checkpointing per op (``_get_custom_policy``,
+    activation_checkpoint.py:241-274): save the outputs of the listed ops, except every second matmul of the
+    layer, and recompute the rest. Counted apart in forward and in the recomputation, afresh for each call."""
+    counts = {False: 0, True: 0}
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if func in _MATMULS:
+            counts[ctx.is_recompute] += 1
+        if func in _OP_SAVE_LIST:
+            if func in _MATMULS and counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)

@@ -23,7 +23,8 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")  # torch.optim's implementations of AdamW, Adam and SGD
 ATTENTIONS = ("sdpa", "eager")
-CHECKPOINTING = ("full", "selective")  # every decoder layer, or the attention of every decoder layer
+# every decoder layer; every decoder layer under torchtitan's per-op policy; the attention of every decoder layer
+CHECKPOINTING = ("full", "op", "selective")
 QUANTIZATIONS = ("nf4", "fp4", "int8")  # bitsandbytes storage of frozen weights (QLoRA, 4-bit, LLM.int8())
 MODES = ("train", "inference")
 TRAINING_ONLY = (
@@ -121,7 +122,9 @@ class TrainingSetup:
         if self.attn not in ATTENTIONS:
             raise UserError(f"--attn must be one of {', '.join(ATTENTIONS)} (got {self.attn!r}).")
         if self.grad_checkpointing not in (None, *CHECKPOINTING):
-            raise UserError(f"--grad-checkpointing must be full or selective (got {self.grad_checkpointing!r}).")
+            raise UserError(
+                f"--grad-checkpointing must be one of {', '.join(CHECKPOINTING)} (got {self.grad_checkpointing!r})."
+            )
         if self.reentrant and self.grad_checkpointing is None:
             raise UserError("--reentrant chooses how checkpointing recomputes: add --grad-checkpointing.")
         if self.grad_accum < 1:
