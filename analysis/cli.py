@@ -39,12 +39,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     command = parser.commands[args.command]
     defaults: dict = {}
+    reads = []
     if getattr(args, "recipe", None):
         from analysis.recipes import RECIPES
 
         if getattr(args, "mode", "train") == "inference":
             raise UserError("--recipe describes a framework's training step: drop it with --mode inference.")
-
         chosen = RECIPES[args.recipe]
         defaults |= {dest: value for dest, value in chosen.defaults.items() if dest in settings(command)}
         if not args.quiet:
@@ -60,6 +60,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if defaults:
         command.set_defaults(**defaults)
         args = parser.parse_args(argv)
+    args.config_reads = reads
     if hasattr(args, "model") and args.model is None:
         raise UserError(
             "name the model: MODEL (a model id or config.json), or a --config that names one (axolotl's "
@@ -224,13 +225,20 @@ def _run_analyze(args: argparse.Namespace) -> int:
     table = module_table(result.step, report.peak_op_index, args.by_module) if args.by_module else None
     verdict = _verdict(report, gpu)
     if args.json:
-        print(json.dumps(report.to_json() | _fit_json(report, gpu) | ({"by_module": table} if table else {}), indent=2))
+        extra = ({"by_module": table} if table else {}) | _read_from(args)
+        print(json.dumps(report.to_json() | _fit_json(report, gpu) | extra, indent=2))
     else:
         print(render_text(report, verdict) + (f"\n\n{render_module_table(table)}" if table else ""))
     if page:
         _write_page(page, model, setup, result, verdict, gpu)
         _progress(args, f"Wrote {page}.")
     return 0
+
+
+def _read_from(args: argparse.Namespace) -> dict:
+    """The recipe and configuration files the setup came from, for --json."""
+    read = {"recipe": args.recipe} if args.recipe else {}
+    return read | ({"config_files": [r.to_json() for r in args.config_reads]} if args.config_reads else {})
 
 
 def _target_gpu(setup: TrainingSetup):

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from analysis.run_config import as_flag
-from tracer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -184,9 +183,3 @@ RECIPES = {
         ),
     )
 }
-
-
-def recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise UserError(f"--recipe must be one of {', '.join(RECIPES)} (got {name!r}).")
-    return RECIPES[name]

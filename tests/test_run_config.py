@@ -145,6 +145,8 @@ def test_flags_win_over_the_file(tiny_config, capsys):
     report = _json(capsys, str(tiny_config), "--config", str(torchtune), "--batch-size", "1", "--lora-r", "4")
     assert report["setup"]["batch_size"] == 1 and report["setup"]["lora"]["r"] == 4
     assert report["setup"]["grad_accum"] == 8 and report["setup"]["dtype"] == "bf16"  # from the file
+    [read] = report["config_files"]
+    assert read["format"] == "torchtune" and read["flags"]["grad_accum"] == "8" and "loss" in read["ignored"]
 
 
 def test_the_file_names_the_model(capsys):
