@@ -50,7 +50,9 @@ def _compare(tmp_path, shape: dict, stored: str, recipe: str, flags: tuple[str, 
 TRAINER_RUNS = [
     (BACKWARD_PEAK, "bf16", {"bf16": True}, ()),
     (BACKWARD_PEAK, "fp32", {"bf16": True}, ()),
-    (BACKWARD_PEAK, "bf16", {"bf16": True, "gradient_checkpointing": True}, ("--grad-checkpointing",)),
+    pytest.param(
+        BACKWARD_PEAK, "bf16", {"bf16": True, "gradient_checkpointing": True}, ("--grad-checkpointing",), marks=SLOW
+    ),
     pytest.param(
         BACKWARD_PEAK, "bf16", {"bf16": True, "gradient_accumulation_steps": 2}, ("--grad-accum", "2"), marks=SLOW
     ),
@@ -64,11 +66,14 @@ TRAINER_RUNS = [
         "bf16",
         {"bf16": True, "gradient_checkpointing": True, "gradient_accumulation_steps": 2},
         (*ADAPTERS, "--grad-checkpointing", "--grad-accum", "2"),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="MemTracker sees bf16 casts of the fp32 adapters kept after every micro-step (-1.4% at 2, -2.9% "
-            "at 3 micro-steps); neither the trace nor the project's eager recorder sees them",
-        ),
+        marks=[
+            SLOW,
+            pytest.mark.xfail(
+                strict=True,
+                reason="MemTracker sees bf16 casts of the fp32 adapters kept after every micro-step (-1.4% at 2, "
+                "-2.9% at 3 micro-steps); neither the trace nor the project's eager recorder sees them",
+            ),
+        ],
     ),
 ]
 

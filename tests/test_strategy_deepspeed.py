@@ -104,7 +104,7 @@ def test_overlap_comm_doubles_the_bucket_below_stage_3():
     assert buckets == [2000, 4000]  # bf16
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_accumulation_keeps_no_full_gradients_from_stage_2(stage):
     """No runtime check is possible here (DeepSpeed does not run on this CPU); what its source says instead.
     From stage 2 each micro-step's gradients go through the bucket into the partition and are freed
