@@ -88,7 +88,7 @@ def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult
         optimizer,
         scaler=scaler,
         keep_outputs=setup.keep_outputs,
-        fp32_outputs=setup.accelerate_prepared and setup.mixed_precision is not None,
+        fp32_outputs=setup.fp32_outputs,
         **({"autocast": autocast} if autocast else {}),
     )
     micro_steps = setup.grad_accum

@@ -23,10 +23,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from strategies.deepspeed import ZeroConfig
+from strategies.deepspeed import AUTO, ZeroConfig
 from tracer.errors import UserError
+from tracer.training import DTYPES
 
-AUTO = "auto"
 NO_MEMORY = "does not change the step's memory"
 UNKNOWN = "not a key this reader knows: if it changes memory, give the matching flag"
 
@@ -45,7 +45,7 @@ class ReadConfig:
 
     def set(self, dest: str, value: Any, key: str) -> None:
         """``key`` of the file sets the flag ``dest``; ``"auto"`` and empty values leave it to the others."""
-        self.used.add(key.split(".")[0])
+        self.use(key)
         if value is None or value == AUTO:
             if value == AUTO:
                 self.notes.append(f"{key}: auto, filled from the other settings (another --config or the flags)")
@@ -57,7 +57,7 @@ class ReadConfig:
 
     def ignore(self, key: str, why: str = NO_MEMORY) -> None:
         self.ignored[key] = why
-        self.used.add(key.split(".")[0])
+        self.use(key)
 
     def ignore_rest(self, data: dict) -> None:
         """Top-level keys no rule read: those known not to change memory, the rest named as unknown."""
@@ -226,13 +226,9 @@ OPTIMIZERS: dict[str, tuple[str, str | None]] = {  # optim -> (--optimizer, --op
     "adafactor": ("adafactor", None),
     "sgd": ("sgd", None),
 }
-TORCH_DTYPES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "float32": "fp32",
-    "bf16": "bf16",
-    "fp16": "fp16",
-    "fp32": "fp32",
+# torch's dtype names (config.json, Trainer arguments, TOML) and the command line's, to the command line's.
+TORCH_DTYPES = {str(dtype).removeprefix("torch."): name for name, dtype in DTYPES.items()} | {
+    name: name for name in DTYPES
 }
 
 
@@ -401,10 +397,10 @@ def _fsdp_options(fsdp: dict, read: ReadConfig, key: str, default_version: int) 
         read.ignore(f"{key}.fsdp_auto_wrap_policy", f"{wrap}: estimated with one unit per decoder layer")
     handled = {
         "version", "reshard_after_forward", "sharding_strategy", "offload_params", "cpu_offload",
-        "activation_checkpointing",
+        "activation_checkpointing", "auto_wrap_policy",
     }  # fmt: skip
     for name in fsdp:
-        if name.removeprefix("fsdp_") not in handled | {"auto_wrap_policy"}:
+        if name.removeprefix("fsdp_") not in handled:
             read.ignore(f"{key}.{name}")
 
 
@@ -420,9 +416,12 @@ def _accelerate_deepspeed(deepspeed: dict, read: ReadConfig) -> None:
         elif deepspeed.get("offload_optimizer_device") in ("cpu", "nvme"):
             read.set("offload", "optimizer", "deepspeed_config.offload_optimizer_device")
         read.set("grad_accum", deepspeed.get("gradient_accumulation_steps"), "deepspeed_config")
-    handled = {"deepspeed_config_file", "zero_stage", "offload_param_device", "offload_optimizer_device"}
+    handled = {
+        "deepspeed_config_file", "zero_stage", "offload_param_device", "offload_optimizer_device",
+        "gradient_accumulation_steps",
+    }  # fmt: skip
     for key in deepspeed:
-        if key not in handled | {"gradient_accumulation_steps"}:
+        if key not in handled:
             read.ignore(f"deepspeed_config.{key}")
 
 
@@ -511,9 +510,8 @@ def _precision(data: dict, read: ReadConfig, quantized: bool) -> None:
     Quantized base weights load in the compute dtype."""
     key = next((k for k in ("torch_dtype", "dtype") if k in data), None)
     dtype = TORCH_DTYPES.get(str(data.get(key))) if key else None
-    init = (data.get("model_init_kwargs") or {}).get("dtype") or (data.get("model_init_kwargs") or {}).get(
-        "torch_dtype"
-    )
+    init_kwargs = data.get("model_init_kwargs") or {}
+    init = init_kwargs.get("dtype") or init_kwargs.get("torch_dtype")
     if dtype is None and init:
         key, dtype = "model_init_kwargs.dtype", TORCH_DTYPES.get(str(init))
     low = next((name for name in ("bf16", "fp16") if data.get(name) in (True, AUTO)), None)

@@ -400,8 +400,8 @@ def accelerate_loop_peak(model: ResolvedModel, setup: TrainingSetup, mixed_preci
     net, optimizer = accelerator.prepare(net, optimizer_class(net.parameters(), **arguments))
     batch = make_batch(model.config, setup, "cpu")
     outputs = None
+    tracker = _FrozenAwareMemTracker()
     for step in range(3):
-        tracker = _FrozenAwareMemTracker()
         if step == 2:  # what the previous step's outputs hold is live when this one starts
             tracker.track_external(net, optimizer, batch.input_ids, batch.labels, *_tensors_of(outputs))
             tracker.__enter__()

@@ -69,7 +69,7 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
                 autocast=_autocast(setup, emulation),
                 scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
                 keep_outputs=setup.keep_outputs,
-                fp32_outputs=setup.accelerate_prepared and setup.mixed_precision is not None,
+                fp32_outputs=setup.fp32_outputs,
             )
         step.prime(batch)
         blocks = len(decoder_blocks(net))

@@ -179,6 +179,11 @@ class TrainingSetup:
     def autocast_dtype(self) -> torch.dtype | None:
         return DTYPES[self.mixed_precision] if self.mixed_precision else None
 
+    @property
+    def fp32_outputs(self) -> bool:
+        """accelerate wraps the forward in ``convert_outputs_to_fp32`` only under mixed precision."""
+        return self.accelerate_prepared and self.mixed_precision is not None
+
     def to_json(self) -> dict[str, Any]:
         """The fields that matter in this mode."""
         data = asdict(self)
