@@ -50,6 +50,7 @@ class StepRecorder(TorchDispatchMode):
         self._params: dict[str, torch.Tensor] = {}
         self._gradients: dict[int, str] = {}  # storage id of each existing .grad -> its parameter, in backward
         self._paused = False
+        self.traffic: dict[int, dict[int, int]] = {}  # optimizer op index -> storage id -> bytes moved
 
     def track_existing(
         self, tensor: torch.Tensor, role: Role, name: str, param: str | None = None, on_device: bool = True
@@ -106,18 +107,20 @@ class StepRecorder(TorchDispatchMode):
 
     @contextmanager
     def recording(self) -> Iterator[StepRecorder]:
-        """Record the step. The garbage collector is paused so that lifetimes do not depend on its timing."""
+        """Record the step. The garbage collector is paused so that lifetimes do not depend on its timing;
+        storages that die after the step (with the model, once the caller drops it) are not the step's."""
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
             with self.scope, self:
                 yield self
         finally:
+            self._finalizers.clear()
             if gc_was_enabled:
                 gc.enable()
 
     def trace(self) -> Trace:
-        return Trace(ops=self.ops, storages=self.storages)
+        return Trace(ops=self.ops, storages=self.storages, optimizer_traffic=self.traffic)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
@@ -139,6 +142,9 @@ class StepRecorder(TorchDispatchMode):
         recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
         count_flops = flop_registry.get(func._overloadpacket)
         flops = count_flops(*args, **(kwargs or {}), out_val=out) if count_flops else 0
+        moved = _moved(func, read, written, args)
+        if self.phase is Phase.OPTIMIZER:
+            self.traffic[index] = self._traffic(moved, index)
         self.ops.append(
             Op(
                 index,
@@ -149,10 +155,17 @@ class StepRecorder(TorchDispatchMode):
                 outputs,
                 recompute,
                 flops=flops,
-                bytes_moved=_bytes_moved(func, read, written, args),
+                bytes_moved=sum(tensor.nbytes for tensor in moved),
             )
         )
         return out
+
+    def _traffic(self, moved: list[torch.Tensor], index: int) -> dict[int, int]:
+        by_storage: dict[int, int] = {}
+        for tensor in moved:
+            storage_id = self._storage_of(tensor, created_at=index).id
+            by_storage[storage_id] = by_storage.get(storage_id, 0) + tensor.nbytes
+        return by_storage
 
     def _mark_accumulated(self, inputs: tuple[int, ...]) -> None:
         """A later micro-step's gradient, which autograd adds into the existing ``.grad``
@@ -222,11 +235,12 @@ class StepRecorder(TorchDispatchMode):
         return callback
 
 
-def _bytes_moved(func, read: list, written: list, args: tuple) -> int:
-    """Bytes an op reads and writes: its tensor arguments, and its outputs or, for an in-place op that returns
-    nothing (``_foreach_add_``), its first argument again. Views move nothing."""
+def _moved(func, read: list, written: list, args: tuple) -> list[torch.Tensor]:
+    """The tensors an op reads and writes, whose bytes are its memory traffic: its tensor arguments, and its
+    outputs or, for an in-place op that returns nothing (``_foreach_add_``), its first argument again.
+    Views move nothing."""
     if func.is_view:
-        return 0
+        return []
     if not any(isinstance(leaf, torch.Tensor) for leaf in written) and func._schema.is_mutable and args:
         written = tree_leaves(args[0])
-    return sum(leaf.nbytes for leaf in (*read, *written) if isinstance(leaf, torch.Tensor))
+    return [leaf for leaf in (*read, *written) if isinstance(leaf, torch.Tensor)]
