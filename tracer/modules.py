@@ -33,6 +33,7 @@ class ModuleScope:
         self._block_index = {name: index for index, name in enumerate(decoder_blocks(model))} if on_block else {}
         self._block_of: dict[str, int | None] = {}
         self._last_block: int | None = None
+        self._previous_backward = ""
 
     def __enter__(self) -> ModuleScope:
         self._handles = [
@@ -67,8 +68,15 @@ class ModuleScope:
         if node is None:
             return ""
         if node.name() == ACCUMULATE_GRAD:
-            return self._param_owner.get(id(node.variable), "")
-        return self._module_of_node.get(node._sequence_nr(), "")
+            name = self._param_owner.get(id(node.variable))
+        else:
+            name = self._module_of_node.get(node._sequence_nr())
+        if name is None:
+            # A node no forward op was seen making, or the gradient of a leaf that is no parameter (the inputs
+            # reentrant checkpointing detaches): it runs among the nodes of the backward op before.
+            name = self._previous_backward
+        self._previous_backward = name
+        return name
 
     def _note_block(self, module: str) -> None:
         if module not in self._block_of:
