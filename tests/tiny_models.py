@@ -217,3 +217,18 @@ FAMILIES = tuple(TINY_CONFIGS)
 def tiny_model(family: str, **overrides) -> ResolvedModel:
     fields = {**IDS, "vocab_size": VOCAB, **TINY_CONFIGS[family], **overrides}
     return ResolvedModel(f"tiny-{family}", AutoConfig.for_model(**fields), "made in tests")
+
+
+def deep_tiny_model(family: str, layers: int, **overrides) -> ResolvedModel:
+    """The family's tiny config with ``layers`` decoder layers, its per-layer lists (``layer_types``,
+    ``no_rope_layers``) repeated to that length."""
+    fields = TINY_CONFIGS[family]
+    depth = next(fields[key] for key in ("num_hidden_layers", "n_layer", "num_layers") if key in fields)
+    lists = {
+        key: [value[i % depth] for i in range(layers)]
+        for key, value in fields.items()
+        if isinstance(value, list) and len(value) == depth
+    }
+    if family == "gpt_neo":  # its per-layer list is written as (pattern, repeats)
+        lists["attention_types"] = [[["global", "local"], layers // 2]] + [[["global"], 1]] * (layers % 2)
+    return tiny_model(family, num_hidden_layers=layers, **lists, **overrides)

@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
+from tracer.modules import decoder_blocks
 from tracer.recorder import StepRecorder
 from tracer.roles import Role
 from tracer.step import Batch, TrainingStep
@@ -38,12 +39,13 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
     recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
     recorder.track_existing(batch.labels, Role.INPUT, "labels")
     if step.kept_outputs is not None:
-        for name, tensor in _output_tensors(step.kept_outputs):
+        for name, tensor in _output_tensors(step.kept_outputs, decoder_blocks(model)):
             recorder.track_existing(tensor, Role.ACTIVATION, f"previous step's outputs: {name}")
 
 
-def _output_tensors(outputs: ModelOutput) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a model's outputs hold: loss and logits, and each cache layer's keys and values."""
+def _output_tensors(outputs: ModelOutput, blocks: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a model's outputs hold: loss and logits, and each cache layer's keys and values, named
+    after the decoder block that made them."""
     for key, value in outputs.items():
         if isinstance(value, torch.Tensor):
             yield key, value
@@ -51,4 +53,4 @@ def _output_tensors(outputs: ModelOutput) -> Iterator[tuple[str, torch.Tensor]]:
             for index, layer in enumerate(value.layers):
                 for attribute, tensor in vars(layer).items():
                     if isinstance(tensor, torch.Tensor):
-                        yield f"{key}.layers.{index}.{attribute}", tensor
+                        yield f"{key} {attribute} of {blocks[index]}", tensor

@@ -70,6 +70,9 @@ class Trace:
     parameter_count: int = 0
     trainable_parameter_count: int = 0
     structure: ModelStructure = field(default_factory=ModelStructure)
+    # Bytes each optimizer op moves per storage: how a stamped trace counts what an op over the parameters
+    # of every layer moves for the layers it did not trace (tracer/stamping.py).
+    optimizer_traffic: dict[int, dict[int, int]] = field(default_factory=dict)
 
     def phase_start(self, phase: Phase) -> int | None:
         """Index of the first op of ``phase``, or None if the phase has no ops."""

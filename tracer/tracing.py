@@ -6,11 +6,13 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from functools import partial
 from unittest.mock import patch
 
 import torch
 import transformers
+from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -26,11 +28,13 @@ from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
 from tracer.gpus import find_gpu
 from tracer.inference import InferenceStep
+from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
+from tracer.stamping import Blocks, NotStampable, stamp
 from tracer.step import TrainingStep, attention_implementation, build_model, build_optimizer, make_batch
 from tracer.trace import Trace
 from tracer.training import Target, TrainingSetup
@@ -49,15 +53,65 @@ class TraceGradScaler(torch.amp.GradScaler):
 Progress = Callable[[str, int, int], None]
 
 
-def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None) -> Trace:
-    """Record one steady-state training step, telling ``progress`` how far it got."""
+def trace_step(
+    model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None, every_layer: bool = False
+) -> Trace:
+    """Record one steady-state training step, telling ``progress`` how far it got. A training step of a model
+    whose decoder layers repeat is recorded on the model cut to a few layers and stamped out to all of them
+    (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all."""
+    plan = None if every_layer or setup.mode == "inference" else plan_layers(model.config)
+    why = "every layer traced"
+    if plan is not None:
+        try:
+            cut, net = _record(model, setup, progress, plan)
+            return _stamped(cut, net, plan)
+        except NotStampable as reason:
+            why += f": the layers do not repeat as stamping needs ({reason})"
+        except UserError:  # the cut model could not be traced; the whole one says why, or traces
+            why += ": the model cut to a few layers could not be traced"
+    trace, net = _record(model, setup, progress)
+    trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
+    trace.structure = model_structure(net)
+    trace.assumptions["decoder_layers"] = why
+    return trace
+
+
+def _stamped(cut: Trace, net: nn.Module, plan: LayerPlan) -> Trace:
+    """The step of the whole model from the step of the model cut to ``plan.traced`` layers."""
+    structure = model_structure(net)
+    list_path = structure.blocks[0].rpartition(".")[0]
+    if structure.blocks != tuple(f"{list_path}.{i}" for i in range(plan.traced)):
+        raise NotStampable(f"decoder layers {structure.blocks[0]} ... are not numbered in order")
+    blocks = Blocks(list_path, plan.template, plan.period, plan.copies)
+    trace = stamp(cut, blocks)
+    total, trainable = count_parameters(net)
+    for path in structure.blocks[plan.template : plan.template + plan.period]:
+        block_total, block_trainable = count_parameters(net.get_submodule(path))
+        total += block_total * plan.copies
+        trainable += block_trainable * plan.copies
+    trace.parameter_count, trace.trainable_parameter_count = total, trainable
+    trace.structure = replace(structure, blocks=tuple(f"{list_path}.{i}" for i in range(plan.layers)))
+    first, last = plan.template + plan.period, plan.template + plan.period * (plan.copies + 1) - 1
+    template = f"{plan.template}" if plan.period == 1 else f"s {plan.template}-{first - 1}"
+    trace.assumptions["decoder_layers"] = (
+        f"{plan.traced} of {plan.layers} traced; layers {first}-{last} stamped from layer{template}"
+    )
+    return trace
+
+
+def _record(
+    model: ResolvedModel, setup: TrainingSetup, progress: Progress | None, plan: LayerPlan | None = None
+) -> tuple[Trace, nn.Module]:
+    """Record the step of ``model``, or of it cut to the layers ``plan`` traces, with the model it ran."""
     report = progress or (lambda stage, done, total: None)
     config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model", 0, 0)
-        net = build_model(config, setup)
+        net = build_model(config if plan is None else plan.cut, setup)
+        if plan is not None:
+            plan.widen(net.config)
         batch = make_batch(config, setup, "cpu")
         if setup.mode == "inference":
             optimizer, step = None, InferenceStep(net, config, setup)
@@ -99,10 +153,8 @@ def trace_step(model: ResolvedModel, setup: TrainingSetup, progress: Progress | 
     trace = recorder.trace()
     if cuda:
         mark_host_storages(trace)
-    trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
-    trace.structure = model_structure(net)
     trace.assumptions = _assumptions(model, setup, optimizer, emulation)
-    return trace
+    return trace, net
 
 
 @contextmanager
