@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -24,6 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(argv)
         _quiet_libraries()
+        # The libraries' objects live as long as the program: the collector need not scan them again and
+        # again while a step is stamped and analyzed (it took half the stamping time).
+        gc.freeze()
         return RUNNERS[args.command](args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

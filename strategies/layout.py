@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Any, Protocol
 
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
@@ -22,6 +20,9 @@ from strategies.zero_redundancy import ZeroRedundancy
 from tracer.errors import UserError
 from tracer.graph import StepGraph
 from tracer.training import TrainingSetup
+
+if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
+    from transformers import PretrainedConfig
 
 ENGINES = ("fsdp", "deepspeed")
 TP_OUTPUTS = ("parallel", "gathered")

@@ -33,8 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cache
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
 from strategies.rewrite import Point, Rewrite
@@ -44,6 +43,9 @@ from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, Sto
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 from tracer.training import TrainingSetup
+
+if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
+    from transformers import PretrainedConfig
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"

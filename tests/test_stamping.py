@@ -98,26 +98,40 @@ def test_variants_stamp_to_their_full_trace(variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "gemma3_text", "deepseek_v3", "gpt_oss"])
-@pytest.mark.parametrize("variant", ["lora, reentrant checkpointing, bf16 autocast, accumulation"])
-def test_variants_stamp_on_moe_and_sliding_window_layers(family, variant):
-    setup = TrainingSetup(batch_size=2, seq_len=32, **VARIANTS[variant])
-    assert_same_trace(*_stamped_and_full(deep(family), setup))
+@pytest.mark.parametrize(
+    "family, targets",
+    [
+        ("mixtral", ("q_proj", "v_proj")),
+        ("gemma3_text", None),
+        ("deepseek_v3", ("q_b_proj", "kv_b_proj")),
+        ("gpt_oss", ("q_proj", "v_proj")),
+    ],
+)
+def test_combined_variant_stamps_on_moe_mla_and_sliding_window_layers(family, targets):
+    variant = VARIANTS["lora, reentrant checkpointing, bf16 autocast, accumulation"] | {
+        "lora": LoraSetup(r=4, targets=targets)
+    }
+    assert_same_trace(*_stamped_and_full(deep(family), TrainingSetup(batch_size=2, seq_len=32, **variant)))
+
+
+LORA_CHECKPOINTED = TrainingSetup(batch_size=2, seq_len=32, lora=LoraSetup(r=4), grad_checkpointing="full")
+SELECTIVE_BF16 = TrainingSetup(batch_size=2, seq_len=32, grad_checkpointing="selective", mixed_precision="bf16")
 
 
 @pytest.mark.parametrize(
-    "layout",
+    "layout, setup",
     [
-        Layout(),
-        Layout(gpus=2, zero=3),
-        pytest.param(Layout(gpus=2, tp=2, sequence_parallel=True), marks=pytest.mark.slow),
-        pytest.param(Layout(gpus=2, zero=1, engine="deepspeed"), marks=pytest.mark.slow),
+        (Layout(), LORA_CHECKPOINTED),
+        (Layout(gpus=2, zero=3), LORA_CHECKPOINTED),
+        pytest.param(Layout(gpus=2, tp=2, sequence_parallel=True), SELECTIVE_BF16, marks=pytest.mark.slow),
+        pytest.param(Layout(gpus=4, tp=2, zero=3), SELECTIVE_BF16, marks=pytest.mark.slow),
+        pytest.param(Layout(gpus=2, zero=1, engine="deepspeed"), LORA_CHECKPOINTED, marks=pytest.mark.slow),
+        pytest.param(Layout(gpus=2, zero=3, engine="deepspeed"), SELECTIVE_BF16, marks=pytest.mark.slow),
     ],
-    ids=["single GPU", "FSDP2 over 2", "TP 2 with SP", "DeepSpeed ZeRO-1 over 2"],
+    ids=["single GPU", "FSDP2 over 2", "TP 2 with SP", "TP 2 x FSDP2 2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-3"],
 )
-def test_estimates_are_byte_identical(monkeypatch, layout):
+def test_estimates_are_byte_identical(monkeypatch, layout, setup):
     model = deep("llama")
-    setup = TrainingSetup(batch_size=2, seq_len=32, lora=LoraSetup(r=4), grad_checkpointing="full")
     stamped = analyze(model, setup, layout).to_json()
     monkeypatch.setattr(analysis.estimate, "trace_step", partial(trace_step, every_layer=True))
     full = analyze(model, setup, layout).to_json()

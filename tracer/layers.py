@@ -44,16 +44,15 @@ class LayerPlan:
         """Give the cut model's config the whole model's layer count and per-layer lists back: code outside
         the decoder layers that reads them (a cache made with a layer per decoder layer, masks per layer type)
         then runs as in the whole model, while the decoder runs the layers it has."""
-        for name, value in vars(self.full).items():
-            if getattr(self.cut, name, None) != value:
-                setattr(config, name, copy.deepcopy(value))
+        for name in _cut_fields(self.full):
+            setattr(config, name, copy.deepcopy(getattr(self.full, name)))
 
 
 def plan_layers(config: PretrainedConfig) -> LayerPlan | None:
     """How to trace ``config`` with fewer layers, or None when every layer must be traced (the model is
     too shallow to gain, or its layers do not repeat)."""
     kinds = layer_kinds(config)
-    if kinds is None:
+    if kinds is None or len(kinds) != getattr(config, "num_hidden_layers", None):
         return None
     shape = _repeating(kinds)
     if shape is None:
@@ -61,7 +60,7 @@ def plan_layers(config: PretrainedConfig) -> LayerPlan | None:
     head, period = shape
     template = head + period
     traced = template + 2 * period + (len(kinds) - head) % period
-    reduced = cut_to(config, traced, len(kinds))
+    reduced = cut_to(config, traced)
     if layer_kinds(reduced) != kinds[:traced]:  # the cut changed what some layer is
         return None
     return LayerPlan(config, reduced, len(kinds), traced, template, period)
@@ -82,14 +81,19 @@ def layer_kinds(config: PretrainedConfig) -> list[tuple] | None:
     ]
 
 
-def cut_to(config: PretrainedConfig, layers: int, full: int) -> PretrainedConfig:
+def cut_to(config: PretrainedConfig, layers: int) -> PretrainedConfig:
     """``config`` with its first ``layers`` layers: the layer count and every per-layer list cut."""
     reduced = copy.deepcopy(config)
-    for name, value in vars(config).items():
-        if _per_layer(value, full):
-            setattr(reduced, name, type(value)(value[:layers]))
-    reduced.num_hidden_layers = layers
+    for name in _cut_fields(config):
+        value = getattr(config, name)
+        setattr(reduced, name, layers if name == "num_hidden_layers" else type(value)(value[:layers]))
     return reduced
+
+
+def _cut_fields(config: PretrainedConfig) -> list[str]:
+    """The layer count and the per-layer lists of a config."""
+    layers = config.num_hidden_layers
+    return ["num_hidden_layers", *(name for name, value in vars(config).items() if _per_layer(value, layers))]
 
 
 def _repeating(kinds: Sequence[tuple]) -> tuple[int, int] | None:

@@ -184,10 +184,13 @@ class _Stamp:
             if layer is None:
                 between = previous is not None
                 continue
-            near = self.blocks.stamped(previous) or self.blocks.stamped(layer)
-            if between and near and self.blocks.in_chain(previous) and self.blocks.in_chain(layer):
+            if between and self._next_to_template(previous, layer):
                 raise NotStampable(f"an op of no layer runs between layers {previous} and {layer}")
             previous, between = layer, False
+
+    def _next_to_template(self, layer: int, other: int) -> bool:
+        b = self.blocks
+        return (b.stamped(layer) or b.stamped(other)) and b.in_chain(layer) and b.in_chain(other)
 
     def _renamed(self, text: str | None, layer: int, new_layer: int) -> str | None:
         """``text`` as it reads in layer ``new_layer`` when it reads so in ``layer``."""
