@@ -51,7 +51,10 @@ class LayerPlan:
 def plan_layers(config: PretrainedConfig) -> LayerPlan | None:
     """How to trace ``config`` with fewer layers, or None when every layer must be traced (the model is
     too shallow to gain, or its layers do not repeat)."""
-    kinds = layer_kinds(config)
+    try:
+        kinds = layer_kinds(config)
+    except Exception:  # what transformers cannot build, the full trace reports by name
+        return None
     if kinds is None or len(kinds) != getattr(config, "num_hidden_layers", None):
         return None
     shape = _repeating(kinds)

@@ -94,6 +94,8 @@ Instance = tuple[int, int]  # (traced op or storage id, copy)
 class _Stamp:
     def __init__(self, trace: Trace, blocks: Blocks) -> None:
         self.source, self.blocks = trace, blocks
+        self._ref_cache: dict[Instance, tuple[list[Instance], list[Instance]]] = {}
+        self._renamed_cache: dict[tuple[str, int, int], str | None] = {}
         self.op_layer = self._op_layers()
         self.owner = {s.id: self._owner(s) for s in trace.storages.values()}
         self._place_optimizer_ops()
@@ -103,7 +105,6 @@ class _Stamp:
         self.storage_position = _positions(self.layer_storages)
         self._check_blocks_alike()
         self._check_nothing_between_layers()
-        self._ref_cache: dict[tuple[Instance, bool], list[Instance]] = {}
 
     # Which layer each op and storage belongs to.
 
@@ -194,10 +195,13 @@ class _Stamp:
 
     def _renamed(self, text: str | None, layer: int, new_layer: int) -> str | None:
         """``text`` as it reads in layer ``new_layer`` when it reads so in ``layer``."""
-        if not text:
+        if not text or layer == new_layer:
             return text
-        at = self.blocks.layer_of(text)
-        return text if at is None or layer == new_layer else self.blocks.renamed(text, at + new_layer - layer)
+        key = (text, layer, new_layer)
+        if key not in self._renamed_cache:
+            at = self.blocks.layer_of(text)
+            self._renamed_cache[key] = text if at is None else self.blocks.renamed(text, at + new_layer - layer)
+        return self._renamed_cache[key]
 
     # The stamped step.
 
@@ -281,17 +285,17 @@ class _Stamp:
         return result
 
     def _refs(self, instance: Instance, inputs: bool) -> list[Instance]:
-        key = (instance, inputs)
-        if key not in self._ref_cache:
-            self._ref_cache[key] = self._resolve_refs(instance, inputs)
-        return self._ref_cache[key]
+        refs = self._ref_cache.get(instance)
+        if refs is None:
+            refs = self._ref_cache[instance] = (self._resolve_refs(instance, True), self._resolve_refs(instance, False))
+        return refs[0] if inputs else refs[1]
 
     def _resolve_refs(self, instance: Instance, inputs: bool) -> list[Instance]:
         index, copy = instance
         op = self.source.ops[index]
         ids = op.inputs if inputs else op.outputs
         if self.op_layer[index] is not None:
-            return [self._storage_from(index, copy, s) for s in ids]
+            return self._layer_refs(index, copy, ids)
         if op.phase is not Phase.OPTIMIZER:
             if any(self._stamped_storage(s) for s in ids):
                 raise NotStampable(f"{op.target} in {op.module or 'the model'} reads a layer's storage")
@@ -321,6 +325,32 @@ class _Stamp:
     def _stamped_storage(self, storage_id: int) -> bool:
         layer = self.owner[storage_id]
         return layer is not None and self.blocks.stamped(layer)
+
+    def _layer_refs(self, index: int, copy: int, ids: tuple[int, ...]) -> list[Instance]:
+        """:meth:`_storage_from` for every storage a layer op names (the stamping's inner loop, so inlined)."""
+        b, owner_of = self.blocks, self.owner
+        layer = self.op_layer[index]
+        base = b.new_layer(layer, copy) - layer
+        start, end = b.template + b.period, b.template + b.period * (b.copies + 1)
+        refs = []
+        for storage_id in ids:
+            owner = owner_of[storage_id]
+            if owner is None:
+                refs.append((storage_id, 0))
+                continue
+            target = base + owner
+            if target < start:
+                source_layer, source_copy = target, 0
+            elif target < end:
+                source_copy = (target - b.template) // b.period
+                source_layer = target - source_copy * b.period
+            else:
+                source_layer, source_copy = target - b.copies * b.period, 0
+            if source_layer == owner and abs(owner - layer) <= b.period:
+                refs.append((storage_id, source_copy))
+            else:
+                refs.append(self._at(storage_id, owner, target, layer, copy))
+        return refs
 
     def _storage_from(self, index: int, copy: int, storage_id: int) -> Instance:
         """The storage a copy of a layer op means by a traced storage: the one the same distance of layers
@@ -364,12 +394,13 @@ class _Stamp:
         index, copy = instance
         op = self.source.ops[index]
         layer = self.op_layer[index]
-        inputs = tuple(self.new_id[s] for s in self._refs(instance, inputs=True))
-        outputs = tuple(self.new_id[s] for s in self._refs(instance, inputs=False))
+        new_id = self.new_id.__getitem__
+        inputs = tuple(map(new_id, self._refs(instance, inputs=True)))
+        outputs = tuple(map(new_id, self._refs(instance, inputs=False)))
         changes: dict = {"index": self.new_index[instance], "inputs": inputs, "outputs": outputs}
         if layer is not None:
             changes["module"] = self._renamed(op.module, layer, self.blocks.new_layer(layer, copy))
-        elif any(self._stamped_storage(s) for s in (*op.inputs, *op.outputs)):  # an op over every layer
+        elif len(inputs) + len(outputs) > len(op.inputs) + len(op.outputs):  # an op over every layer
             if op.flops:
                 raise NotStampable(f"{op.target} counts FLOPs over every layer")
             extra = sum(n for s, n in self.source.optimizer_traffic[op.index].items() if self._stamped_storage(s))

@@ -6,6 +6,7 @@ Python code and differ only in the tensors underneath.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ def attention_implementation(config: PretrainedConfig, setup: TrainingSetup) -> 
 
 def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
     """The model as the setup runs it: quantized base weights, LoRA adapters and checkpointing applied."""
+    config = copy.deepcopy(config)  # the model's own: checkpointing turns its cache off, and traces share configs
     try:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, setup), dtype=setup.param_dtype

@@ -59,8 +59,9 @@ def trace_step(
     """Record one steady-state training step, telling ``progress`` how far it got. A training step of a model
     whose decoder layers repeat is recorded on the model cut to a few layers and stamped out to all of them
     (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all."""
-    plan = None if every_layer or setup.mode == "inference" else plan_layers(model.config)
-    why = "every layer traced"
+    inference = setup.mode == "inference"
+    plan = None if every_layer or inference else plan_layers(model.config)
+    why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
     if plan is not None:
         try:
             cut, net = _record(model, setup, progress, plan)
@@ -92,9 +93,9 @@ def _stamped(cut: Trace, net: nn.Module, plan: LayerPlan) -> Trace:
     trace.parameter_count, trace.trainable_parameter_count = total, trainable
     trace.structure = replace(structure, blocks=tuple(f"{list_path}.{i}" for i in range(plan.layers)))
     first, last = plan.template + plan.period, plan.template + plan.period * (plan.copies + 1) - 1
-    template = f"{plan.template}" if plan.period == 1 else f"s {plan.template}-{first - 1}"
+    source = f"layer {plan.template}" if plan.period == 1 else f"layers {plan.template}-{first - 1}"
     trace.assumptions["decoder_layers"] = (
-        f"{plan.traced} of {plan.layers} traced; layers {first}-{last} stamped from layer{template}"
+        f"{plan.traced} of {plan.layers} traced; layers {first}-{last} stamped from {source}"
     )
     return trace
 
@@ -153,7 +154,7 @@ def _record(
     trace = recorder.trace()
     if cuda:
         mark_host_storages(trace)
-    trace.assumptions = _assumptions(model, setup, optimizer, emulation)
+    trace.assumptions = _assumptions(model, net.config, setup, optimizer, emulation)
     return trace, net
 
 
@@ -274,8 +275,8 @@ class traced_errors(AbstractContextManager):
         ) from None
 
 
-def _assumptions(model: ResolvedModel, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
-    config = model.config
+def _assumptions(model: ResolvedModel, config, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
+    """What the trace assumed; ``config`` is the config the model ran with (checkpointing turns its cache off)."""
     attention = attention_implementation(config, setup)
     assumptions: dict[str, object] = {
         "model_source": model.source,
