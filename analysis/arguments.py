@@ -313,6 +313,15 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-outputs the logits kept through backward are fp32",
     )
     group.add_argument(
+        "--use-cache",
+        choices=("on", "off"),
+        default=None,
+        help="whether the training forward builds transformers' key/value cache (config.use_cache), which keeps "
+        "every layer's keys and values referenced until the outputs are dropped. Default: as the config says "
+        "(on for most models), as your own loop runs it; the HF Trainer, TRL and axolotl set it off "
+        "(TrainingArguments.use_cache=False); checkpointing turns it off",
+    )
+    group.add_argument(
         "--lora-r", type=count(), default=None, help="train LoRA adapters of this rank (peft); default: off"
     )
     group.add_argument("--lora-alpha", type=count(), default=None, help="LoRA alpha (default 16)")
@@ -544,6 +553,7 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
         grad_accum=args.grad_accum,
         keep_outputs=args.keep_outputs,
         accelerate_prepared=args.accelerate_prepared,
+        use_cache=None if args.use_cache is None else args.use_cache == "on",
         optimizer_impl=args.optimizer_impl,
         pcie_gbps=_given(getattr(args, "pcie_gbps", None), PCIE_4_X16_GBPS),
         **inference,

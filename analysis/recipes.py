@@ -41,11 +41,14 @@ RECIPES = {
                 "dtype": "checkpoint",
                 "mixed_precision": "bf16",
                 "accelerate_prepared": True,
+                "use_cache": "off",
                 "optimizer": "adamw",
                 "optimizer_impl": "fused",
             },
             (
                 "modeling_utils.py:4177-4178, 829-832: from_pretrained loads the checkpoint's dtype (dtype='auto')",
+                "trainer.py:645-646: model.config.use_cache = args.use_cache, False by default "
+                "(training_args.py:971-976): no key/value cache in the training forward",
                 "training_args.py:806-814: optim adamw_torch_fused on torch >= 2.8",
                 "trainer.py:2209, 2084: compute_loss returns the loss only and the outputs are dropped before backward",
                 "modeling_utils.py:3148-3149: gradient checkpointing, when on, is use_reentrant=False",
@@ -61,12 +64,15 @@ RECIPES = {
                 "mixed_precision": "bf16",
                 "grad_checkpointing": "full",
                 "seq_len": 1024,
+                "use_cache": "off",
                 "optimizer": "adamw",
                 "optimizer_impl": "fused",
             },
             (
                 "trainer/utils.py:1332-1336: a model given by name loads in float32 unless model_init_kwargs names "
                 "a dtype",
+                "transformers trainer.py:645-646: the Trainer under SFTTrainer sets model.config.use_cache from "
+                "use_cache, False by default",
                 "trainer/base_config.py:62-63, 108: gradient_checkpointing and bf16 default to true",
                 "sft_config.py:202-203: max_length 1024",
                 "sft_trainer.py:1079-1081 with transformers 5: checkpointing is use_reentrant=False",
@@ -172,9 +178,11 @@ RECIPES = {
         Recipe(
             "axolotl",
             "axolotl's SFT trainer",
-            {"dtype": "bf16", "optimizer": "adamw", "optimizer_impl": "fused"},
+            {"dtype": "bf16", "use_cache": "off", "optimizer": "adamw", "optimizer_impl": "fused"},
             (
                 "utils/config/__init__.py:190-197, loaders/model.py:611-612: the model loads in bf16 when bf16 is on",
+                "transformers trainer.py:645-646: the HF Trainer it runs sets model.config.use_cache from use_cache, "
+                "False by default",
                 "utils/config/__init__.py:377-383: gradient checkpointing, when on, is use_reentrant=True unless its "
                 "kwargs say otherwise (add --grad-checkpointing --reentrant, or read the run's YAML with --config)",
                 "schemas/training.py:122-124: optimizer adamw_torch_fused",

@@ -467,6 +467,8 @@ def _shared_step(data: dict, read: ReadConfig, reentrant_default: bool, fsdp_ver
     """The keys the Trainer, TRL and axolotl share. ``reentrant_default``: ``use_reentrant`` when the
     checkpointing kwargs do not say (False for transformers 5's ``gradient_checkpointing_enable``)."""
     read.set("grad_accum", data.get("gradient_accumulation_steps"), "gradient_accumulation_steps")
+    # The HF Trainer sets model.config.use_cache = args.use_cache, False unless the file says (trainer.py:645-646).
+    read.set("use_cache", "on" if data.get("use_cache") else "off", "use_cache")
     quantized = data.get("load_in_4bit") or data.get("load_in_8bit")
     if data.get("load_in_4bit"):
         read.set("qlora", True, "load_in_4bit")

@@ -52,20 +52,24 @@ EXPECTED = {
         "lora_r": 16, "lora_alpha": 16, "lora_dropout": 0.05,
         "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "qlora": True, "dtype": "bf16",
         "grad_checkpointing": "full", "attn": "sdpa",  # use_reentrant: false
+        "use_cache": "off",  # the HF Trainer sets config.use_cache from use_cache, False by default
     },
     "trainer/trl_cli_example_config.yaml": {  # TRL's defaults: checkpointing and bf16 on, max_length 1024
         "model": "Qwen/Qwen2.5-0.5B", "seq_len": 1024, "mixed_precision": "bf16", "grad_checkpointing": "full",
+        "use_cache": "off",  # the HF Trainer sets config.use_cache from use_cache, False by default
     },
     "axolotl/llama3_qlora.yml": {
         "model": "NousResearch/Meta-Llama-3-8B", "batch_size": 2, "seq_len": 4096, "grad_accum": 4,
         "lora_r": 32, "lora_alpha": 16, "lora_dropout": 0.05, "lora_targets": "all-linear", "qlora": True,
         "dtype": "bf16", "grad_checkpointing": "full", "reentrant": True, "attn": "sdpa",
+        "use_cache": "off",  # the HF Trainer sets config.use_cache from use_cache, False by default
     },  # axolotl's checkpointing is reentrant unless its kwargs say otherwise
     "axolotl/llama3_qlora_fsdp_70b.yaml": {
         "model": "casperhansen/llama-3-70b-fp16", "batch_size": 1, "seq_len": 512, "grad_accum": 4,
         "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.05, "lora_targets": "all-linear", "attn": "sdpa",
         "qlora": True, "dtype": "bf16", "engine": "fsdp", "zero": 3, "offload": "optimizer,params",
         "grad_checkpointing": "full", "reentrant": True, "optimizer": "adamw", "optimizer_impl": "fused",
+        "use_cache": "off",  # the HF Trainer sets config.use_cache from use_cache, False by default
     },
     "torchtune/llama3_1_8B_lora_single_device.yaml": {
         "model": "meta-llama/Llama-3.1-8B", "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
@@ -132,7 +136,7 @@ def test_a_config_file_is_the_flags_it_stands_for(tiny_config, capsys):
     flags = _json(
         capsys, str(tiny_config), "--gpus", "2", "--zero", "3", "--engine", "deepspeed", "--offload",
         "optimizer,params", "--batch-size", "2", "--grad-accum", "1", "--dtype", "bf16", "--mixed-precision", "bf16",
-        "--grad-checkpointing", "--optimizer", "adamw",
+        "--grad-checkpointing", "--optimizer", "adamw", "--use-cache", "off",
     )  # fmt: skip
     runtime = read["setup"].pop("data_parallel"), flags["setup"].pop("data_parallel")
     assert read["setup"] == flags["setup"]

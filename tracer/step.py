@@ -46,6 +46,8 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
         )
     except (ValueError, TypeError, RuntimeError) as error:
         raise UserError(f"transformers cannot build this model from its config: {error}") from None
+    if setup.use_cache is not None and setup.mode == "train":
+        model.config.use_cache = setup.use_cache
     if setup.quantize:
         quantize_base_weights(model, setup.quantize)
     if setup.grad_checkpointing:

@@ -30,6 +30,7 @@ MODES = ("train", "inference")
 TRAINING_ONLY = (
     "mixed_precision",
     "accelerate_prepared",
+    "use_cache",
     "optimizer",
     "grad_checkpointing",
     "reentrant",
@@ -88,6 +89,10 @@ class TrainingSetup:
     # the model went through accelerator.prepare (the Trainer and accelerate loops): under mixed precision its
     # forward is wrapped in convert_outputs_to_fp32, and the bf16/fp16 outputs come back as fp32 copies
     accelerate_prepared: bool = False
+    # transformers' key/value cache in the training forward (config.use_cache): None keeps the config's. The HF
+    # Trainer sets it from TrainingArguments.use_cache, False by default; a cache keeps every layer's keys and
+    # values referenced until the outputs are dropped
+    use_cache: bool | None = None
     optimizer_impl: str | None = None  # None: torch's default for the device
     pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
     mode: str = "train"
@@ -164,6 +169,7 @@ class TrainingSetup:
             "--lora-r": self.lora,
             "--grad-accum": self.grad_accum > 1,
             "--keep-outputs": self.keep_outputs,
+            "--use-cache": self.use_cache is not None,
             "--optimizer-impl": self.optimizer_impl,
         }
         used = [flag for flag, value in training_only.items() if value]
