@@ -327,29 +327,22 @@ class _Stamp:
         return layer is not None and self.blocks.stamped(layer)
 
     def _layer_refs(self, index: int, copy: int, ids: tuple[int, ...]) -> list[Instance]:
-        """:meth:`_storage_from` for every storage a layer op names (the stamping's inner loop, so inlined)."""
+        """:meth:`_storage_from` for every storage a layer op names, with the common case (a storage of the
+        layer the copy reads it from, within a block) first: this is the stamping's inner loop."""
         b, owner_of = self.blocks, self.owner
         layer = self.op_layer[index]
-        base = b.new_layer(layer, copy) - layer
-        start, end = b.template + b.period, b.template + b.period * (b.copies + 1)
+        shift = b.new_layer(layer, copy) - layer
         refs = []
         for storage_id in ids:
             owner = owner_of[storage_id]
             if owner is None:
                 refs.append((storage_id, 0))
                 continue
-            target = base + owner
-            if target < start:
-                source_layer, source_copy = target, 0
-            elif target < end:
-                source_copy = (target - b.template) // b.period
-                source_layer = target - source_copy * b.period
-            else:
-                source_layer, source_copy = target - b.copies * b.period, 0
+            source_layer, source_copy = b.source(owner + shift)
             if source_layer == owner and abs(owner - layer) <= b.period:
                 refs.append((storage_id, source_copy))
             else:
-                refs.append(self._at(storage_id, owner, target, layer, copy))
+                refs.append(self._at(storage_id, owner, owner + shift, layer, copy))
         return refs
 
     def _storage_from(self, index: int, copy: int, storage_id: int) -> Instance:
