@@ -64,7 +64,7 @@ def trace_step(
     why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
     if plan is not None:
         try:
-            cut, net = _record(model, setup, progress, plan)
+            cut, net = _record(model, setup, _naming_the_cut(progress, plan), plan)
             return _stamped(cut, net, plan)
         except NotStampable as reason:
             why += f": the layers do not repeat as stamping needs ({reason})"
@@ -75,6 +75,14 @@ def trace_step(
     trace.structure = model_structure(net)
     trace.assumptions["decoder_layers"] = why
     return trace
+
+
+def _naming_the_cut(progress: Progress | None, plan: LayerPlan) -> Progress | None:
+    """``progress`` told, with each counted stage, that its count is of the layers traced."""
+    if progress is None:
+        return None
+    cut = f" ({plan.traced} of {plan.layers} layers)"
+    return lambda stage, done, total: progress(stage + (cut if total else ""), done, total)
 
 
 def _stamped(cut: Trace, net: nn.Module, plan: LayerPlan) -> Trace:
