@@ -4,7 +4,8 @@ A decoder layer's memory does not depend on where it sits in the stack, only on 
 their parameters and settings: sliding or full attention, dense or MoE). So a model of N layers whose
 kinds repeat with period p after a head of ``a`` layers is traced with ``a + 3p (+ a remainder)`` layers
 (the repeating block, one block before it and one after, so that what passes between layers is seen on
-both sides) and the rest is stamped from the middle block (tracer/stamping.py).
+both sides) and the rest is stamped from the middle block (tracer/stamping.py). The head holds at least the
+first layer, whose input (the embedding's output) needs no gradient when the embedding is frozen (LoRA).
 """
 
 from __future__ import annotations
