@@ -218,11 +218,10 @@ class _Stamp:
             if self.op_layer[index] is None
         }
         for (index, copy), position in self.new_index.items():
-            if self.op_layer[index] is not None and index in self.source.optimizer_traffic:
-                traffic[position] = {
-                    self.new_id[self._storage_from(index, copy, s)]: n
-                    for s, n in self.source.optimizer_traffic[index].items()
-                }
+            moved = self.source.optimizer_traffic.get(index)
+            if moved is not None and self.op_layer[index] is not None:
+                refs = self._layer_refs(index, copy, tuple(moved))
+                traffic[position] = {self.new_id[ref]: n for ref, n in zip(refs, moved.values(), strict=True)}
         return Trace(
             ops=ops,
             storages=storages,
@@ -327,8 +326,9 @@ class _Stamp:
         return layer is not None and self.blocks.stamped(layer)
 
     def _layer_refs(self, index: int, copy: int, ids: tuple[int, ...]) -> list[Instance]:
-        """:meth:`_storage_from` for every storage a layer op names, with the common case (a storage of the
-        layer the copy reads it from, within a block) first: this is the stamping's inner loop."""
+        """The storages copy ``copy`` of a layer op means by the traced ones: each the same distance of layers
+        away from the copy as the traced storage is from the traced op. The common case (a storage within a
+        block, of the layer the copy reads it from) comes first: this is the stamping's inner loop."""
         b, owner_of = self.blocks, self.owner
         layer = self.op_layer[index]
         shift = b.new_layer(layer, copy) - layer
@@ -345,36 +345,34 @@ class _Stamp:
                 refs.append(self._at(storage_id, owner, owner + shift, layer, copy))
         return refs
 
-    def _storage_from(self, index: int, copy: int, storage_id: int) -> Instance:
-        """The storage a copy of a layer op means by a traced storage: the one the same distance of layers
-        away from the copy as the traced storage is from the traced op."""
-        owner = self.owner[storage_id]
-        if owner is None:
-            return storage_id, 0
-        layer = self.op_layer[index]
-        return self._at(storage_id, owner, self.blocks.new_layer(layer, copy) + owner - layer, layer, copy)
-
     def _at(self, storage_id: int, owner: int, new_layer: int, layer: int, copy: int) -> Instance:
-        self._check_reach(owner, layer, copy)
-        source_layer, source_copy = self.blocks.source(new_layer)
-        if source_layer == owner:
-            return storage_id, source_copy
-        twins = self.layer_storages.get(source_layer, [])
-        position = self.storage_position[storage_id]
-        if not self.blocks.in_chain(source_layer) or not self.blocks.in_chain(owner) or position >= len(twins):
-            raise NotStampable(f"layer {layer} reaches layer {owner}")
-        return twins[position], source_copy
+        return self._twin(storage_id, owner, new_layer, layer, copy, self.layer_storages, self.storage_position)
 
     def _op_at(self, index: int, new_layer: int, layer: int, copy: int) -> Instance:
         op_layer = self.op_layer[index]
-        self._check_reach(op_layer, layer, copy)
+        return self._twin(index, op_layer, new_layer, layer, copy, self.layer_ops, self.op_position)
+
+    def _twin(
+        self,
+        key: int,
+        key_layer: int,
+        new_layer: int,
+        layer: int,
+        copy: int,
+        members: dict[int, list[int]],
+        positions: dict[int, int],
+    ) -> Instance:
+        """The op or storage (``key``, of traced layer ``key_layer``) that stands at ``new_layer`` of the whole
+        model, as seen from copy ``copy`` of traced layer ``layer``: the one at the same place in the traced layer
+        that ``new_layer`` is a copy of."""
+        self._check_reach(key_layer, layer, copy)
         source_layer, source_copy = self.blocks.source(new_layer)
-        if source_layer == op_layer:
-            return index, source_copy
-        twins = self.layer_ops.get(source_layer, [])
-        position = self.op_position[index]
-        if not self.blocks.in_chain(source_layer) or not self.blocks.in_chain(op_layer) or position >= len(twins):
-            raise NotStampable(f"layer {layer} reaches layer {op_layer}")
+        if source_layer == key_layer:
+            return key, source_copy
+        twins = members.get(source_layer, [])
+        position = positions[key]
+        if not self.blocks.in_chain(source_layer) or not self.blocks.in_chain(key_layer) or position >= len(twins):
+            raise NotStampable(f"layer {layer} reaches layer {key_layer}")
         return twins[position], source_copy
 
     def _check_reach(self, other: int, layer: int, copy: int) -> None:
