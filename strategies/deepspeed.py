@@ -129,12 +129,16 @@ class DeepSpeedZero:
 
     def traced_setup(self, setup: TrainingSetup) -> tuple[TrainingSetup, str | None]:
         """DeepSpeed's bf16/fp16 mode: the model in the low-precision dtype, fp32 master weights in the
-        optimizer, no autocast."""
-        if not setup.mixed_precision:
+        optimizer, no autocast. The engine casts every floating-point parameter to that dtype
+        (``DeepSpeedEngine._cast_module_mixed_precision``), peft's fp32 adapters included."""
+        low = setup.mixed_precision or (setup.dtype if setup.dtype != "fp32" else None)
+        if low is None:
             return setup, None
-        low = setup.mixed_precision
+        lora = setup.lora and dataclasses.replace(setup.lora, float32_adapters=False)
         note = f"DeepSpeed {low}: the model in {low}, fp32 master weights in the ZeRO optimizer, no autocast"
-        return dataclasses.replace(setup, dtype=low, mixed_precision=None), note
+        if setup.lora:
+            note += f"; the engine casts the LoRA adapters to {low}"
+        return dataclasses.replace(setup, dtype=low, mixed_precision=None, lora=lora), note
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
         """Every partition is padded to one size, so every rank is alike."""
@@ -197,12 +201,14 @@ class _DeepSpeed:
         self.params = {
             row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param is not None
         }
-        self.numel = {name: row.numel for name, row in self.params.items()}
         # The optimizer, and so the fp32 partition, covers trainable parameters only (frozen ones, as LoRA
         # leaves the base, have no gradient).
         trainable = {row.param for row in step.storages.values() if row.role is Role.GRADIENT}
-        self.dtype = next(iter(self.params.values())).dtype
+        self.dtype = next(row.dtype for name, row in self.params.items() if name in trainable or not trainable)
         self.bytes = element_size(self.dtype)
+        # Elements of the training dtype. Packed 4-bit weights are stored in it under ZeRO-3, as PEFT's QLoRA
+        # recipe sets (``bnb_4bit_quant_storage``), so that they partition and gather like any parameter.
+        self.numel = {name: -(-row.nbytes // self.bytes) for name, row in self.params.items()}
         self.gradients = [row for row in step.storages.values() if row.role is Role.GRADIENT]
         # Later micro-steps' gradients: the trace adds them into .grad, while ZeRO-2 and 3 find .grad empty
         # (it was copied into the bucket and freed) and reduce them into the partition the same way.
@@ -433,7 +439,7 @@ class _DeepSpeed:
         return [name for name, numel in self.numel.items() if numel > self.config.stage3_param_persistence_threshold]
 
     def _param_sized(self, row: StorageRow) -> bool:
-        return row.numel == self.numel[row.param]
+        return row.numel == self.params[row.param].numel
 
 
 def _span(step: StepGraph, phase: Phase) -> tuple[int, int]:

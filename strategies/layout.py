@@ -204,11 +204,16 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> P
     if layout.tp > 1:
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
         tensor.check(config)
-    if setup.quantize and (layout.tp > 1 or (layout.engine == "deepspeed" and layout.zero)):
+    if setup.quantize and layout.tp > 1:
         raise UserError(
-            "Quantized base weights (--qlora, --load-in-8bit) are modelled on one GPU, with DDP, ZeRO-1 and FSDP2 "
-            "(which shards the packed weights like any frozen parameter); DeepSpeed ZeRO-3 and tensor parallelism "
-            "store them differently. Use --engine fsdp or --tp 1."
+            "Quantized base weights (--qlora, --load-in-8bit) are not modelled with tensor parallelism: "
+            "PyTorch's parallel styles split nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
+        )
+    if setup.quantize == "int8" and layout.engine == "deepspeed" and layout.zero == 3:
+        raise UserError(
+            "--load-in-8bit with DeepSpeed ZeRO-3 is not modelled: ZeRO-3 partitions the base weights, and PEFT "
+            "documents only 4-bit weights stored in the compute dtype for it (bnb_4bit_quant_storage). Use --qlora, "
+            "or --zero 1 or 2, which leave frozen weights whole."
         )
     if setup.lora and layout.tp > 1:
         raise UserError(

@@ -6,18 +6,22 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
+from bitsandbytes import functional
+from deepspeed.runtime.zero.partition_parameters import Init
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 from tiny_models import tiny_model
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from analysis.peak import find_peak, timeline
-from strategies.deepspeed import DeepSpeedPlan, ZeroConfig, deepspeed
+from strategies.deepspeed import DeepSpeedPlan, ZeroConfig, deepspeed, partition_numel
 from strategies.layout import Layout, Rank, prepare
+from tracer.errors import UserError
 from tracer.graph import StepGraph, build_graph
 from tracer.roles import Role
 from tracer.tracing import trace_step
-from tracer.training import Target, TrainingSetup
+from tracer.training import LoraSetup, Target, TrainingSetup
 
 # The estimators assume 16-bit training with fp32 master weights (DeepSpeed's bf16 or fp16 mode).
 SETUP = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, dtype="bf16")
@@ -66,8 +70,6 @@ def test_zero3_model_states_match_deepspeeds_estimator(family, world):
 
 
 def _modules(family: str):
-    import torch
-
     from tracer.step import build_model
 
     with torch.device("meta"):
@@ -120,3 +122,68 @@ def test_accumulation_keeps_no_full_gradients_from_stage_2(stage):
         peaks[zero, accum] = find_peak(timeline(step, rounded=False)).bytes
     assert peaks[stage, 3] == peaks[stage, 1]
     assert peaks[1, 3] > peaks[1, 1]
+
+
+ADAPTERS = LoraSetup(r=4, targets=("q_proj", "v_proj"))
+
+
+def _qlora(stage: int, world: int, quantize: str = "nf4") -> tuple[StepGraph, StepGraph]:
+    """The single-GPU step of a QLoRA (or 8-bit) setup, and rank 0's under DeepSpeed ZeRO ``stage``; every
+    parameter partitioned at stage 3 (persistence off), as the checks below count them."""
+    model = tiny_model("llama", **EVEN)
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, dtype="bf16", quantize=quantize, lora=ADAPTERS)
+    config = ZeroConfig(stage3_param_persistence_threshold=0)
+    prepared = prepare(Layout(gpus=world, zero=stage, engine="deepspeed", zero_config=config), setup, model.config)
+    step = build_graph(trace_step(model, prepared.traced))
+    return step, prepared.rank_step(step, Rank())
+
+
+def _ds_partition_numel(ds_numel: int, world: int) -> int:
+    """DeepSpeed's own arithmetic: the parameter padded to a multiple of the world (``Init._aligned_size``),
+    split evenly (``_partition_param``)."""
+    rank = SimpleNamespace(_partition_world_size=lambda param: world)
+    rank._padding_size = lambda param: Init._padding_size(rank, param)
+    return Init._aligned_size(rank, SimpleNamespace(ds_numel=ds_numel)) // world
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero3_partitions_and_gathers_4bit_weights_stored_in_bf16(world):
+    """PEFT's ZeRO-3 QLoRA recipe stores the packed weights in the compute dtype (``bnb_4bit_quant_storage=
+    torch.bfloat16``), so ZeRO-3 partitions and gathers them like any bf16 parameter: each rank keeps its part
+    of bitsandbytes' bf16 storage and the forward gathers the whole. The engine casts the adapters to bf16,
+    and the fp32 master partition covers them only."""
+    single, sharded = _qlora(3, world)
+    packed = [row for row in single.storages.values() if row.role is Role.PARAMETER and row.dtype == "uint8"]
+    assert packed
+    for row in packed:
+        storage, _ = functional.quantize_4bit(
+            torch.zeros(2 * row.nbytes, dtype=torch.bfloat16), quant_type="nf4", quant_storage=torch.bfloat16
+        )
+        assert storage.nbytes == row.nbytes  # the same bytes as the uint8 packing traced
+        ds_numel = storage.numel()
+        assert sharded.storages[row.id].nbytes == _ds_partition_numel(ds_numel, world) * 2
+        module = row.param.rpartition(".")[0]
+        gathered = [r for r in sharded.storages.values() if r.name == f"{module} (gathered)"]
+        assert gathered and all(r.nbytes == ds_numel * 2 for r in gathered)
+    adapters = [row for row in single.storages.values() if row.role is Role.PARAMETER and "lora_" in (row.param or "")]
+    assert adapters and all(row.dtype == "bfloat16" for row in adapters)
+    master = next(row for row in sharded.storages.values() if row.name == "fp32 master partition")
+    assert master.nbytes == 4 * sum(_ds_partition_numel(row.numel, world) for row in adapters)
+
+
+@pytest.mark.parametrize(("stage", "quantize"), [(1, "int8"), (2, "nf4")])
+def test_zero_1_and_2_leave_quantized_weights_whole(stage, quantize):
+    """Below stage 3 ZeRO partitions what the optimizer holds, the adapters: the frozen quantized weights stay
+    whole on every rank."""
+    single, sharded = _qlora(stage, 4, quantize)
+    frozen = [row for row in single.storages.values() if row.role is Role.PARAMETER and row.dtype in ("uint8", "int8")]
+    assert frozen and all(sharded.storages[row.id].nbytes == row.nbytes for row in frozen)
+    adapters = sum(row.numel for row in single.storages.values() if row.role is Role.GRADIENT)
+    master = next(row for row in sharded.storages.values() if row.name == "fp32 master partition")
+    assert master.nbytes == 4 * partition_numel(adapters, 4)
+
+
+def test_8bit_weights_under_zero3_are_refused():
+    setup = TrainingSetup(target=Target.CPU, dtype="bf16", quantize="int8", lora=ADAPTERS)
+    with pytest.raises(UserError, match="--load-in-8bit with DeepSpeed ZeRO-3"):
+        prepare(Layout(gpus=2, zero=3, engine="deepspeed"), setup, tiny_model("llama").config)
