@@ -8,9 +8,12 @@ rounds it, and reports the largest total seen at any moment.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import nn
 
 from analysis.allocator import block_size
 from analysis.estimate import StepResult, analyze
@@ -19,10 +22,10 @@ from analysis.report import MemoryReport, build_report
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
-from tracer.inference import InferenceStep
 from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel, resolve_model
+from tracer.roles import Phase
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
 from tracer.trace import Storage
 from tracer.training import Target, TrainingSetup
@@ -77,7 +80,7 @@ def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult
         net = build_model(model.config, setup)
     batch = make_batch(model.config, setup, device)
     if setup.mode == "inference":
-        step = InferenceStep(net, model.config, setup)
+        step = Generation(net, setup)
         step.run(batch)  # warm up as for training: first-call allocations are not the steady state
         return _measure_step(model, setup, step, batch, device)
     optimizer = build_optimizer(net, setup, foreach=None)
@@ -105,6 +108,40 @@ _SKIPPED_MESSAGE = (
     f"The fp16 GradScaler skipped {MAX_SKIPPED_STEPS} steps in a row (inf/NaN gradients from the random "
     "weights), so no steady-state step could be measured. Measure with --mixed-precision bf16 instead."
 )
+
+
+@dataclass
+class Generation:
+    """What users run: ``model.generate()`` itself, greedy, with the cache ``setup.cache`` names, for exactly
+    ``setup.max_new_tokens`` tokens (no stop or pad token, so every sequence runs to the end). Each forward
+    tells ``on_phase`` whether it is the prefill or a decode step."""
+
+    model: nn.Module
+    setup: TrainingSetup
+    optimizer: None = None
+    scaler: None = None
+    kept_outputs: None = None
+
+    def run(self, batch, on_phase=lambda phase: None, micro_steps: int = 1, recorder=None) -> None:
+        generation = copy.deepcopy(self.model.generation_config)
+        generation.eos_token_id = generation.pad_token_id = None
+        generation.do_sample = False
+        generation.max_new_tokens = self.setup.max_new_tokens
+        generation.cache_implementation = "static" if self.setup.cache == "static" else None
+        # generate() passes logits_to_keep=1 itself; any other choice is the caller's
+        chosen = {"logits_to_keep": self.setup.logits_to_keep} if self.setup.logits_to_keep != 1 else {}
+        forwards = 0
+
+        def tell_phase(module, args) -> None:
+            nonlocal forwards
+            on_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
+            forwards += 1
+
+        handle = self.model.register_forward_pre_hook(tell_phase)
+        try:
+            self.model.generate(batch.input_ids, generation_config=generation, **chosen)
+        finally:
+            handle.remove()
 
 
 def _stepped(run, scaler: torch.amp.GradScaler | None) -> bool:

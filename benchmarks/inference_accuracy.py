@@ -1,10 +1,11 @@
-"""Inference: estimate vs. eager measurement on CPU, for every architecture family, both caches, prefill- and
-decode-bound generations, and quantized weights.
+"""Inference: estimate vs. ``model.generate()`` itself, run eagerly on CPU, for every architecture family, both
+caches, prefill- and decode-bound generations, and quantized weights.
 
-    python -m benchmarks.inference_accuracy [--markdown]
+    python -m benchmarks.inference_accuracy [--markdown] [--weights fp32 ...]
 
-Both sides run the same CPU kernels (``analyze --target cpu`` traces on fake tensors, ``measure --target cpu``
-runs real tensors and counts live storages), as in ``benchmarks.cpu_accuracy``.
+Both sides run the same CPU kernels: ``analyze --target cpu`` traces on fake tensors; ``measure --target cpu``
+runs ``generate()`` (greedy, no stop token) with real tensors and counts live storages, as in
+``benchmarks.cpu_accuracy``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tracer.training import Target, TrainingSetup
 
 GENERATIONS: dict[str, dict] = {
     "prompt 48, 8 new": PREFILL_PEAK,
-    "prompt 16, 200 new, logits_to_keep 1": DECODE_PEAK,
+    "prompt 16, 200 new": DECODE_PEAK,
 }
 WEIGHTS: dict[str, dict] = {
     "fp32": {},
@@ -42,13 +43,17 @@ WEIGHTS: dict[str, dict] = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    parser.add_argument(
+        "--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS), help="weight formats to run (default: all)"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     rows, errors, start = [], [], time.time()
     for family in FAMILIES:
         for cache in ("dynamic", "static"):
             for generation, lengths in GENERATIONS.items():
-                for weights, options in WEIGHTS.items():
+                for weights in args.weights:
+                    options = WEIGHTS[weights]
                     setup = TrainingSetup(
                         target=Target.CPU, mode="inference", batch_size=2, cache=cache, **lengths, **options
                     )

@@ -1,19 +1,30 @@
-"""Inference as ``generate`` runs it: the prefill over the prompt, then a decode step with the cache at its
-longest, each under ``torch.no_grad()``.
+"""Inference as ``model.generate()`` runs greedy decoding: the prefill over the prompt, then the decode step with
+the cache at its longest, each under ``torch.no_grad()``, with the tensors generate() itself keeps.
 
-The decode step traced is the last of ``max_new_tokens``: before it, the cache is grown to hold the prompt and
-the tokens decoded so far, without recording (the steps in between repeat the traced one with a shorter
-cache), so the decode peak is the largest of all decode steps.
+Follows transformers 5.23's ``GenerationMixin`` (generation/utils.py): ``generate`` makes the position ids from
+an all-ones attention mask and then drops the mask, as a prompt without padding needs none (5.17 keeps it, a
+batch x length int64 tensor more), passes ``logits_to_keep=1`` to models that take it, and sizes a static cache
+to ``max_length - 1``; ``_sample`` builds each forward's inputs with ``prepare_inputs_for_generation`` (a static
+cache's attention mask among them), copies the last position's logits to float32, takes their argmax, appends
+it to ``input_ids``, grows the kwargs with ``_update_model_kwargs_for_generation`` and asks the stopping
+criteria. ``max_new_tokens`` tokens take that many forwards: the prefill gives the first.
+
+The decode step traced is the last: before it, the cache and the growing ids are brought to what they hold then,
+without recording (the decode steps in between repeat the traced one with shorter tensors), so the decode peak
+is the largest of all decode steps. No stop token ends the generation early: every sequence runs to
+``max_new_tokens``.
 """
 
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig, StaticCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tracer.roles import Phase, Role
 from tracer.step import Batch, OnPhase
@@ -35,36 +46,85 @@ class InferenceStep:
     @torch.no_grad()
     def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None, micro_steps: int = 1, recorder=None) -> None:
         """Prefill, then the decode step at the longest cache. ``recorder``, when recording, is paused while
-        the cache grows and told which storages are the cache."""
-        setup = self.setup
+        the cache and ids grow, and told which storages are the cache."""
+        setup, model = self.setup, self.model
         on_phase(Phase.PREFILL)
-        cache = self._cache()
-        outputs = self.model(
-            batch.input_ids, past_key_values=cache, use_cache=True, logits_to_keep=setup.logits_to_keep
-        )
-        next_ids = outputs.logits[:, -1:].argmax(-1)
-        del outputs
-        _mark_cache(cache, recorder)
-        before_last = setup.seq_len + setup.max_new_tokens - 1  # cached tokens when the last one is decoded
+        parameters = set(inspect.signature(model.forward).parameters)
+        # generate()'s own kwargs, which it keeps until it returns (the prompt's position ids among them)
+        kwargs = {"past_key_values": self._cache(), "use_cache": True, "attention_mask": None}
+        if "position_ids" in parameters:
+            kwargs["position_ids"] = _positions(batch.input_ids)
+        if setup.logits_to_keep and "logits_to_keep" in parameters:
+            kwargs["logits_to_keep"] = setup.logits_to_keep
+        state = _Sampling(model, batch.input_ids, kwargs)
+        state.forward(batch.input_ids.shape[1], first=True)
+        _mark_cache(kwargs["past_key_values"], recorder)
+        if setup.max_new_tokens == 1:
+            return
         with recorder.paused() if recorder else nullcontext():
-            _grow(cache, setup.max_new_tokens - 1)
-            position = torch.full((1,), before_last, dtype=torch.long, device=next_ids.device)
+            state.skip(setup.max_new_tokens - 2)  # the decode steps before the last
         if recorder:
-            for tensor in _cache_tensors(cache):
-                recorder.track_created(tensor, Role.KV_CACHE, "KV cache")
-            recorder.track_created(next_ids, Role.INPUT, "decoded token")
-            recorder.track_created(position, Role.INPUT, "cache position")
+            _track_cache(kwargs["past_key_values"], recorder)
+            recorder.track_created(state.ids, Role.INPUT, "generated ids")
+            if state.kwargs.get("position_ids") is not None:
+                recorder.track_created(state.kwargs["position_ids"], Role.INPUT, "position ids")
         on_phase(Phase.DECODE)
-        outputs = self.model(next_ids, past_key_values=cache, use_cache=True, cache_position=position)
-        outputs.logits[:, -1:].argmax(-1)
-        del outputs
-        _mark_cache(cache, recorder)
+        state.forward(1)
+        _mark_cache(kwargs["past_key_values"], recorder)
 
     def _cache(self):
-        if self.setup.cache == "static":
-            length = self.setup.seq_len + self.setup.max_new_tokens
+        if self.setup.cache == "static":  # generate() sizes it to max_length - 1 (_prepare_cache_for_generation)
+            length = self.setup.seq_len + self.setup.max_new_tokens - 1
             return StaticCache(config=self.config, max_cache_len=length)
         return DynamicCache(config=self.config)
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """``_prepare_position_ids_for_generation`` over the all-ones mask of a prompt without padding."""
+    attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.masked_fill(attention_mask == 0, 0)
+
+
+class _Sampling:
+    """What ``_sample`` holds from one iteration to the next: the ids so far, the model kwargs, the last
+    float32 logits and the unfinished flags. Each is replaced as ``_sample`` rebinds it, so that the old tensor
+    is released when the new one exists. The forward's inputs and the kwargs' growth come from transformers'
+    own ``prepare_inputs_for_generation`` and ``_update_model_kwargs_for_generation``."""
+
+    def __init__(self, model: nn.Module, input_ids: torch.Tensor, kwargs: dict) -> None:
+        self.model, self.ids, self.kwargs, self.logits = model, input_ids, dict(kwargs), None
+        self.unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+
+    def forward(self, new_tokens: int, first: bool = False) -> None:
+        """One iteration: the forward over the last ``new_tokens`` ids, then the kwargs grow, the last logits
+        are copied to float32 (the previous copy is still referenced meanwhile), the greedy token is appended,
+        and the stopping criteria are asked (a maximum length only)."""
+        inputs = self.model.prepare_inputs_for_generation(
+            self.ids, next_sequence_length=new_tokens, is_first_iteration=first, **self.kwargs
+        )
+        outputs = self.model(**inputs, return_dict=True)
+        del inputs
+        self.kwargs = self.model._update_model_kwargs_for_generation(outputs, self.kwargs)
+        self.logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        tokens = torch.argmax(self.logits, dim=-1)
+        self.ids = torch.cat([self.ids, tokens[:, None]], dim=-1)
+        rows, device = self.ids.shape[0], self.ids.device
+        none_done = torch.full((rows,), False, dtype=torch.bool, device=device)  # StoppingCriteriaList.__call__
+        at_max_length = torch.full((rows,), False, dtype=torch.bool, device=device)  # MaxLengthCriteria
+        self.unfinished = self.unfinished & ~(none_done | at_max_length)
+        self.unfinished.max() == 0  # noqa: B015 - the flag generate() reads to stop
+        del outputs
+
+    def skip(self, tokens: int) -> None:
+        """The cache, ids and kwargs as ``tokens`` more iterations leave them."""
+        if tokens == 0:
+            return
+        cache = self.kwargs["past_key_values"]
+        _grow(cache, tokens)
+        self.ids = torch.cat([self.ids, self.ids.new_zeros((self.ids.shape[0], tokens))], dim=-1)
+        grown = CausalLMOutputWithPast(past_key_values=cache)
+        self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
 
 
 def _cache_tensors(cache) -> list[torch.Tensor]:
@@ -76,6 +136,11 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
     ]
 
 
+def _track_cache(cache, recorder) -> None:
+    for tensor in _cache_tensors(cache):
+        recorder.track_created(tensor, Role.KV_CACHE, "KV cache")
+
+
 def _mark_cache(cache, recorder) -> None:
     if recorder:
         for tensor in _cache_tensors(cache):
@@ -83,13 +148,16 @@ def _mark_cache(cache, recorder) -> None:
 
 
 def _grow(cache, tokens: int) -> None:
-    """Append ``tokens`` positions to every layer as its own ``update`` would (a sliding-window layer keeps
-    its window), so that the cache holds what it holds before the last decode step."""
-    if tokens == 0:
-        return
-    for layer in cache.layers:
-        keys, values = layer.keys, layer.values
-        layer.update(
-            keys.new_zeros((*keys.shape[:2], tokens, keys.shape[-1])),
-            values.new_zeros((*values.shape[:2], tokens, values.shape[-1])),
-        )
+    """Append ``tokens`` positions to every layer as its own ``update`` would, so that the cache holds what it
+    holds before the last decode step. The last position is appended on its own, as a decode step appends it: a
+    sliding-window layer keeps a view of what its last ``update`` concatenated, whose storage is then the window
+    and not everything appended at once."""
+    for chunk in (tokens - 1, 1) if tokens > 1 else (tokens,):
+        if chunk == 0:
+            continue
+        for layer in cache.layers:
+            keys, values = layer.keys, layer.values
+            layer.update(
+                keys.new_zeros((*keys.shape[:2], chunk, keys.shape[-1])),
+                values.new_zeros((*values.shape[:2], chunk, values.shape[-1])),
+            )

@@ -231,12 +231,17 @@ def _checkpoint_quantization(config) -> dict[str, str]:
 
 def _inference_assumptions(setup: TrainingSetup) -> dict[str, object]:
     cache = "StaticCache" if setup.cache == "static" else "DynamicCache"
+    tokens = setup.max_new_tokens
+    traced = f"the prefill of the prompt into a {cache}" + (
+        f", then the last decode step (the cache holds {setup.seq_len + tokens - 2} tokens before it)"
+        if tokens > 1
+        else " (one new token: no decode step)"
+    )
+    logits = {0: "all positions", 1: "the last position, as generate() passes logits_to_keep=1"}
     return {
-        "step": f"under torch.no_grad(): prefill of the prompt into a {cache}, then the decode step of the last of "
-        f"{setup.max_new_tokens} new tokens (the cache then holds {setup.seq_len + setup.max_new_tokens - 1})",
-        "prefill_logits": "all positions (the forward's default; generate() keeps the last: --logits-to-keep 1)"
-        if setup.logits_to_keep == 0
-        else f"last {setup.logits_to_keep}",
+        "step": f"model.generate(), greedy, {tokens} new tokens with no stop token, under torch.no_grad(); traced: "
+        + traced,
+        "prefill_logits": logits.get(setup.logits_to_keep, f"the last {setup.logits_to_keep} positions"),
     }
 
 

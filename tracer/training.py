@@ -98,7 +98,7 @@ class TrainingSetup:
     mode: str = "train"
     max_new_tokens: int = 1  # inference: the decode step runs with the cache holding prompt + these - 1
     cache: str = "dynamic"  # inference
-    logits_to_keep: int = 0  # inference prefill: logits of the last N positions (0: all, the forward's default)
+    logits_to_keep: int = 1  # inference prefill: logits of the last N positions (0: all); generate() passes 1
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
