@@ -137,11 +137,17 @@ class Generation:
             on_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
             forwards += 1
 
+        # generate() fills a None of the config it is given from the model's own generation config, which would
+        # bring the stop token back: the model's config is the one given, for the call.
+        own, self.model.generation_config = self.model.generation_config, generation
         handle = self.model.register_forward_pre_hook(tell_phase)
         try:
-            self.model.generate(batch.input_ids, generation_config=generation, **chosen)
+            ids = self.model.generate(batch.input_ids, generation_config=generation, **chosen)
         finally:
             handle.remove()
+            self.model.generation_config = own
+        if ids.shape[1] != batch.input_ids.shape[1] + self.setup.max_new_tokens:
+            raise RuntimeError(f"generate() made {ids.shape[1] - batch.input_ids.shape[1]} tokens, not the setup's")
 
 
 def _stepped(run, scaler: torch.amp.GradScaler | None) -> bool:

@@ -71,12 +71,7 @@ def test_quantized_inference_matches_eager(quantize, dtype):
     """Through the emulated bitsandbytes layers (their storage is checked against bitsandbytes below): the
     dequantizing path in the prefill, the fused kernel in the decode step."""
     _check("llama", _inference(dtype=dtype, quantize=quantize, **PREFILL_PEAK))
-
-
-@pytest.mark.xfail(strict=True, reason="quantized decode is about 40% above generate() itself; cause not found")
-@pytest.mark.parametrize("quantize", ["nf4", "int8"])
-def test_quantized_decode_matches_generate(quantize):
-    _check("llama", _inference(dtype="bf16", quantize=quantize, **DECODE_PEAK))
+    _check("llama", _inference(dtype=dtype, quantize=quantize, **DECODE_PEAK))
 
 
 @pytest.mark.parametrize(("family", "kv_heads"), [("llama", 2), ("falcon", 1), ("gpt_bigcode", 1), ("gpt2", 4)])
