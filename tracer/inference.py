@@ -148,11 +148,11 @@ def _mark_cache(cache, recorder) -> None:
 
 
 def _grow(cache, tokens: int) -> None:
-    """Append ``tokens`` positions to every layer as its own ``update`` would, so that the cache holds what it
-    holds before the last decode step. The last position is appended on its own, as a decode step appends it: a
-    sliding-window layer keeps a view of what its last ``update`` concatenated, whose storage is then the window
-    and not everything appended at once."""
-    for chunk in (tokens - 1, 1) if tokens > 1 else (tokens,):
+    """Append ``tokens`` (at least 1) positions to every layer as its own ``update`` would, so that the cache
+    holds what it holds before the last decode step. The last position is appended on its own, as a decode step
+    appends it: a sliding-window layer keeps a view of what its last ``update`` concatenated, whose storage is
+    then the window and not everything appended at once."""
+    for chunk in (tokens - 1, 1):
         if chunk == 0:
             continue
         for layer in cache.layers:
