@@ -24,8 +24,6 @@ from tracer.training import (
     TrainingSetup,
 )
 
-GENERATE_LOGITS_TO_KEEP = 1  # generate() computes the prefill's logits at the last position only
-
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command and flag, with its help; ``args.command`` names the command."""
@@ -531,11 +529,9 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
         )
     inference = {
         name: _given(getattr(args, name), getattr(defaults, name))
-        for name in ("mode", "max_new_tokens", "cache")
+        for name in ("mode", "max_new_tokens", "cache", "logits_to_keep")
         if hasattr(args, name)
     }
-    if hasattr(args, "logits_to_keep"):
-        inference["logits_to_keep"] = _given(args.logits_to_keep, GENERATE_LOGITS_TO_KEEP)
     dtype, mixed_precision = _precision(args, quantized=quantize is not None)
     return TrainingSetup(
         batch_size=getattr(args, "batch_size", 1),
