@@ -53,7 +53,8 @@ def test_prefill_peak_matches_generate(family, cache):
     assert _check(family, _inference(cache=cache, **PREFILL_PEAK)).peak_phase == "prefill"
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+# Each decode case runs generate() for 200 tokens with every op recorded: the static cache's in the slow tier.
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_decode_peak_matches_generate(family, cache):
     report = _check(family, _inference(cache=cache, **DECODE_PEAK))
@@ -65,7 +66,7 @@ def test_decode_peak_matches_generate(family, cache):
         assert report.peak_phase == "decode"
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", ["bf16", pytest.param("fp16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("quantize", ["nf4", "fp4", "int8"])
 def test_quantized_inference_matches_eager(quantize, dtype):
     """Through the emulated bitsandbytes layers (their storage is checked against bitsandbytes below): the
