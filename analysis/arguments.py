@@ -119,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_arguments(planner)
     planner.set_defaults(command="plan")
 
+    serve = commands.add_parser(
+        "serve",
+        help="what a serving engine's start-up log will say: weights, activation peak, KV-cache tokens",
+        description="Predict, per GPU, what vLLM's V1 engine prints at start-up for `vllm serve MODEL` with these "
+        "flags (vLLM's own names): the weights each tensor-parallel rank loads, the profile run's activation "
+        "peak, the KV cache that fills the rest of --gpu-memory-utilization, its size in tokens and the maximum "
+        "concurrency at --max-model-len. The rules are vLLM's, cited in analysis/vllm.py.",
+    )
+    _add_serve_arguments(serve)
+    serve.set_defaults(command="serve")
+
     gpus = commands.add_parser("gpus", help="list the GPU catalog (memory, throughput, bandwidth, interconnect)")
     gpus.add_argument("--json", action="store_true", help="print JSON instead of a table")
     gpus.set_defaults(command="gpus")
@@ -128,9 +139,76 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(command="models")
     parser.commands = {
         "analyze": analyze, "measure": measure, "timeline": timeline, "compare": compare, "plan": planner,
-        "gpus": gpus, "models": models,
+        "serve": serve, "gpus": gpus, "models": models,
     }  # fmt: skip
     return parser
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from analysis.vllm import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        DEFAULT_MAX_NUM_SEQS,
+        KV_CACHE_DTYPES,
+    )
+
+    parser.add_argument("model", metavar="MODEL", help="a model id (bundled, cached) or a config.json")
+    parser.add_argument("--engine", choices=("vllm",), default="vllm", help="the serving engine (default vllm)")
+    parser.add_argument("--gpu", default="h100", help="GPU kind from `python -m tracer gpus` (default h100)")
+    parser.add_argument(
+        "--gpu-memory",
+        default=None,
+        metavar="SIZE",
+        help="the GPU's total memory instead of the catalog's, e.g. 79.19GiB",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", "--tp", type=count(), default=1, help="GPUs the model is split over (default 1)"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=rate,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help=f"share of the GPU's memory vLLM may use (default {DEFAULT_GPU_MEMORY_UTILIZATION})",
+    )
+    parser.add_argument(
+        "--max-model-len", type=count(maximum=MAX_SEQ_LEN), default=None, help="longest request (default: the model's)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=count(maximum=MAX_SEQ_LEN),
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help=f"tokens per scheduler step; the profile run's forward (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+        "vLLM's own default depends on its version and GPU: read it from your log's engine config)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=count(),
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"requests per step; the profile run's sampler rows (default {DEFAULT_MAX_NUM_SEQS})",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the model's dtype; fp8: one byte"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=count(),
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp16"),
+        default="auto",
+        help="weights and activations: auto = the checkpoint's (bf16 for fp32 checkpoints), as vLLM's auto",
+    )
+    parser.add_argument(
+        "--non-torch-memory",
+        default="0",
+        metavar="SIZE",
+        help="what your log's 'non_torch_memory takes' says (NCCL, cuBLAS workspaces); not predicted (default 0)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
 
 
 def _add_step_arguments(parser: argparse.ArgumentParser, searches_batch: bool = False) -> None:

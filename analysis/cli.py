@@ -159,6 +159,33 @@ def _write_plan_page(args: argparse.Namespace, path, model, result, gpu) -> None
     _progress(args, f"Wrote {path}.")
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from analysis.vllm import VllmSetup, render_startup, startup_json, vllm_startup
+    from tracer.gpus import find_gpu
+    from tracer.resolve import resolve_model
+    from tracer.units import parse_bytes
+
+    memory = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else find_gpu(args.gpu).memory_bytes
+    setup = VllmSetup(
+        gpu_memory_bytes=memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=args.block_size,
+        dtype={"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
+        non_torch_bytes=parse_bytes(args.non_torch_memory, "--non-torch-memory") if args.non_torch_memory != "0" else 0,
+    )
+    model = resolve_model(args.model)
+    startup = vllm_startup(model.config, setup)
+    print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))
+    return 0
+
+
 def _run_gpus(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
@@ -493,6 +520,7 @@ def _quiet_libraries() -> None:
 
 RUNNERS = {
     "analyze": _run_analyze,
+    "serve": _run_serve,
     "measure": _run_measure,
     "timeline": _run_timeline,
     "compare": _run_compare,

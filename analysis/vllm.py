@@ -1,0 +1,290 @@
+"""What vLLM's V1 engine prints at start-up, per GPU: weights, the profile run's activation peak, and the KV cache
+that fills the rest of ``gpu_memory_utilization``.
+
+vLLM sizes its KV cache once (vllm/v1/worker/gpu_worker.py, ``Worker.determine_available_memory``)::
+
+    requested   = total_gpu_memory x gpu_memory_utilization
+    kv_cache    = requested - (weights + non_torch_increase + torch_peak_increase)
+
+* ``weights``: what loading the model allocated on the rank ("Model loading took X GiB"), see
+  analysis/vllm_weights.py.
+* ``torch_peak_increase`` ("PyTorch activation peak memory"): the allocator's peak during
+  ``GPUModelRunner.profile_run`` above the weights: one forward of ``max_num_batched_tokens`` tokens
+  (``_dummy_run``) and the sampler on ``min(max_num_seqs, max_num_batched_tokens)`` rows
+  (``_dummy_sampler_run``). :func:`profile_peak` follows vLLM's layers: the fused qkv and gate_up
+  projections (``QKVParallelLinear``, ``MergedColumnParallelLinear``), ``SiluAndMul``, fused-add RMSNorm in
+  place, and ``fused_experts``' intermediate caches for MoE layers; the sampler holds the gathered logits, their
+  float32 copy and the top-k/top-p sort (values and int64 indices).
+* ``non_torch_increase``: memory taken outside PyTorch during start-up (NCCL, cuBLAS workspaces, custom
+  all-reduce buffers). It depends on the driver and the libraries, not on the model, so it is not predicted:
+  ``--non-torch-memory`` takes it from the user's log and defaults to 0.
+
+The KV cache is then cut into blocks (vllm/v1/core/kv_cache_utils.py, ``get_num_blocks``)::
+
+    num_blocks = kv_cache // page_size // layers_per_group
+
+with ``page_size = 2 x block_size x kv_heads_per_rank x head_size x dtype_bytes`` for full and sliding-window
+attention and ``block_size x head_size x dtype_bytes`` for MLA, which caches DeepSeek's compressed latent
+(``kv_lora_rank + qk_rope_head_dim``, one head, the same on every rank; ``MLAAttentionSpec``). Key/value heads
+per rank are ``max(1, kv_heads // tp)`` (``ModelConfig.get_num_kv_heads``). A model that mixes sliding-window and
+full layers is laid out by the hybrid allocator (``_get_kv_cache_groups_uniform_page_size``): each kind's
+layers in groups of the smaller kind's count, every group one block table, so "GPU KV cache size" is
+``num_blocks // groups x block_size`` tokens. Uniform models log ``num_blocks x block_size``. Maximum
+concurrency is the blocks over what one request of ``max_model_len`` takes
+(``get_max_concurrency_for_kv_cache_config``).
+
+CUDA graphs are captured after the KV cache is allocated, from what ``gpu_memory_utilization`` leaves free;
+vLLM's log prints their size separately ("Graph capturing finished ..."), and they do not change the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from analysis.vllm_weights import RankWeights, rank_weights
+from tracer.errors import UserError
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
+DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size on CUDA
+DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig.max_num_seqs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs' V1 default for the OpenAI server on most GPUs
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class VllmSetup:
+    """``vllm serve``'s flags that change memory, by vLLM's names."""
+
+    gpu_memory_bytes: int  # what torch.cuda.mem_get_info reports as the device's total
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    kv_cache_dtype: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    dtype: torch.dtype | None = None  # None: the checkpoint's, as vLLM's dtype="auto" (fp32 served as bf16)
+    non_torch_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    page_bytes: int  # one block of one layer
+    kinds: dict[str, int]  # layer kind -> how many layers
+    groups: int  # block tables (1 unless the hybrid allocator splits the layers)
+    layers_per_group: int
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class VllmStartup:
+    setup: VllmSetup
+    max_model_len: int
+    weights: RankWeights
+    activation_peak_bytes: int
+    activation_parts: dict[str, int] = field(default_factory=dict)
+    layout: KvLayout | None = None
+
+    @property
+    def requested_bytes(self) -> int:
+        return int(self.setup.gpu_memory_bytes * self.setup.gpu_memory_utilization)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.requested_bytes - self.weights.total - self.activation_peak_bytes - self.setup.non_torch_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return max(0, self.kv_cache_bytes) // self.layout.page_bytes // self.layout.layers_per_group
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.num_blocks // self.layout.groups * self.setup.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        blocks_per_request = -(-self.max_model_len // self.setup.block_size) * self.layout.groups
+        return self.num_blocks / blocks_per_request
+
+
+def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
+    """vLLM's start-up memory on one tensor-parallel rank of ``config`` served with ``setup``."""
+    from transformers import AutoModelForCausalLM
+
+    _check(config, setup)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise UserError(
+            f"this checkpoint is quantized ({method}); serve models vLLM's 16-bit weights only so far. Pass a "
+            "config.json without quantization_config to size the unquantized model."
+        )
+    dtype = setup.dtype or _served_dtype(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    max_model_len = setup.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        raise UserError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings}); vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
+        )
+    parts = profile_peak(config, setup, dtype.itemsize)
+    return VllmStartup(
+        setup,
+        max_model_len,
+        rank_weights(model, config, setup.tensor_parallel_size),
+        max(parts.values()),
+        parts,
+        kv_layout(config, setup, dtype.itemsize, max_model_len),
+    )
+
+
+def _served_dtype(config) -> torch.dtype:
+    """vLLM's ``dtype="auto"`` (config.py, ``_resolve_auto_dtype``): the checkpoint's dtype, bf16 for fp32 ones."""
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored.removeprefix("torch."), None)
+    return torch.bfloat16 if stored in (None, torch.float32) else stored
+
+
+def _check(config, setup: VllmSetup) -> None:
+    if not 0 < setup.gpu_memory_utilization <= 1:
+        raise UserError(f"--gpu-memory-utilization {setup.gpu_memory_utilization} must be in (0, 1].")
+    if setup.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise UserError(f"--kv-cache-dtype {setup.kv_cache_dtype}: one of {', '.join(KV_CACHE_DTYPES)}.")
+    if not isinstance(getattr(config, "intermediate_size", None), int):
+        raise UserError(
+            f"serve models decoders laid out as Llama's (intermediate_size, q/k/v/o and gate/up/down projections: "
+            f"Llama, Mistral, Mixtral, Qwen, Gemma, Phi-3/4, DeepSeek); {config.model_type} is not modelled yet."
+        )
+    for name in ("tensor_parallel_size", "max_num_batched_tokens", "max_num_seqs", "block_size"):
+        if getattr(setup, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1.")
+
+
+def kv_layout(config, setup: VllmSetup, model_dtype_bytes: int, max_model_len: int) -> KvLayout:
+    dtype_bytes = 1 if setup.kv_cache_dtype.startswith("fp8") else model_dtype_bytes
+    layers = config.num_hidden_layers
+    if getattr(config, "kv_lora_rank", None):
+        head = config.kv_lora_rank + config.qk_rope_head_dim
+        return KvLayout(setup.block_size * head * dtype_bytes, {"mla": layers}, 1, layers, None)
+    heads = config.num_attention_heads
+    head = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = max(1, (getattr(config, "num_key_value_heads", None) or heads) // setup.tensor_parallel_size)
+    page = 2 * setup.block_size * kv_heads * head * dtype_bytes
+    window = getattr(config, "sliding_window", None)
+    types = list(getattr(config, "layer_types", None) or [])[:layers]
+    sliding = sum(kind == SLIDING for kind in types) if types else (layers if window else 0)
+    if window and window >= max_model_len:
+        sliding = 0  # a window as long as any request is full attention (ModelConfig.get_sliding_window)
+    full = layers - sliding
+    kinds = {name: count for name, count in (("full", full), ("sliding", sliding)) if count}
+    if len(kinds) == 1:
+        return KvLayout(page, kinds, 1, layers, window if sliding else None)
+    per_group = min(kinds.values())
+    groups = sum(-(-count // per_group) for count in kinds.values())
+    return KvLayout(page, kinds, groups, per_group, window)
+
+
+def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
+    """The allocator's peak above the weights during ``profile_run``, by where it falls: the forward's
+    decoder layer (dense MLP or MoE) at ``max_num_batched_tokens``, and the sampler."""
+    tp = setup.tensor_parallel_size
+    tokens = setup.max_num_batched_tokens
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = max(1, (getattr(config, "num_key_value_heads", None) or heads) // tp)
+    stream = 2 * tokens * hidden  # the residual and the normed hidden states, alive across every layer
+    if getattr(config, "kv_lora_rank", None):
+        q_head = config.qk_nope_head_dim + config.qk_rope_head_dim
+        attention = tokens * (heads // tp) * (q_head + config.v_head_dim + q_head)  # q, output, expanded k
+    else:
+        attention = tokens * ((heads // tp) * head * 2 + 2 * kv_heads * head)  # qkv, then the attention output
+    parts = {"attention": (stream + attention) * dtype_bytes}
+    experts = (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
+    dense_layers = getattr(config, "first_k_dense_replace", 0) or len(getattr(config, "mlp_only_layers", ()) or ())
+    if not experts or dense_layers:
+        intermediate = config.intermediate_size // tp
+        parts["mlp"] = (stream + tokens * 3 * intermediate) * dtype_bytes  # gate_up, then SiluAndMul's output
+    if experts:
+        top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", 1)
+        expert_intermediate = (getattr(config, "moe_intermediate_size", None) or config.intermediate_size) // tp
+        routed = tokens * top_k
+        parts["moe"] = (
+            stream * dtype_bytes
+            + tokens * experts * 4  # the router's logits, float32
+            + routed * (4 + 4)  # top-k weights (float32) and ids (int32)
+            + routed * (max(2 * expert_intermediate, hidden) + expert_intermediate) * dtype_bytes
+        )  # fused_experts: intermediate_cache1/3 share one buffer; intermediate_cache2
+    rows = min(setup.max_num_seqs, tokens)
+    vocab = config.vocab_size
+    parts["sampler"] = rows * vocab * (dtype_bytes + 4 + 4 + 8) + tokens * hidden * dtype_bytes
+    return parts
+
+
+def startup_json(startup: VllmStartup) -> dict:
+    return {
+        "engine": "vllm",
+        "tensor_parallel_size": startup.setup.tensor_parallel_size,
+        "total_gpu_memory_bytes": startup.setup.gpu_memory_bytes,
+        "gpu_memory_utilization": startup.setup.gpu_memory_utilization,
+        "requested_bytes": startup.requested_bytes,
+        "weights_bytes": startup.weights.total,
+        "activation_peak_bytes": startup.activation_peak_bytes,
+        "activation_peak_by_part": startup.activation_parts,
+        "non_torch_bytes": startup.setup.non_torch_bytes,
+        "kv_cache_bytes": startup.kv_cache_bytes,
+        "kv_page_bytes": startup.layout.page_bytes,
+        "kv_layer_kinds": startup.layout.kinds,
+        "num_gpu_blocks": startup.num_blocks,
+        "kv_cache_tokens": startup.kv_cache_tokens,
+        "max_model_len": startup.max_model_len,
+        "max_concurrency": startup.max_concurrency,
+    }
+
+
+def render_startup(model, startup: VllmStartup) -> str:
+    """The report, in the order and the words of vLLM's own start-up log."""
+    from tracer.units import GIB
+
+    setup = startup.setup
+
+    def gib(nbytes: int) -> str:
+        return f"{nbytes / GIB:.2f}GiB"
+
+    kinds = ", ".join(f"{count} {kind}" for kind, count in startup.layout.kinds.items())
+    window = f", window {startup.layout.sliding_window}" if startup.layout.sliding_window else ""
+    lines = [
+        f"{model.model_id} served by vLLM (V1 engine), tensor parallel {setup.tensor_parallel_size}; per GPU:",
+        f"  the current vLLM instance can use total_gpu_memory ({gib(setup.gpu_memory_bytes)}) x "
+        f"gpu_memory_utilization ({setup.gpu_memory_utilization:.2f}) = {gib(startup.requested_bytes)}",
+        f"  model weights take {gib(startup.weights.total)} (rotary cos/sin cache {gib(startup.weights.rotary_bytes)})",
+        f"  non_torch_memory takes {gib(setup.non_torch_bytes)} (not predicted: --non-torch-memory)",
+        f"  PyTorch activation peak memory takes {gib(startup.activation_peak_bytes)} (profile run: "
+        f"{setup.max_num_batched_tokens} tokens, sampler on {min(setup.max_num_seqs, setup.max_num_batched_tokens)} "
+        "rows; " + ", ".join(f"{part} {gib(b)}" for part, b in startup.activation_parts.items()) + ")",
+        f"  the rest of the memory reserved for KV Cache is {gib(startup.kv_cache_bytes)}",
+        f"  KV blocks of {setup.block_size} tokens, {startup.layout.page_bytes:,} bytes per layer ({kinds}{window}): "
+        f"{startup.num_blocks:,}",
+        f"  GPU KV cache size: {startup.kv_cache_tokens:,} tokens",
+        f"  Maximum concurrency for {startup.max_model_len:,} tokens per request: {startup.max_concurrency:.2f}x",
+    ]
+    if startup.kv_cache_bytes <= 0:
+        lines.append(
+            "  No memory is left for the KV cache: vLLM stops with 'No available memory for the cache blocks'. "
+            "Raise --gpu-memory-utilization, add GPUs (--tensor-parallel-size), or lower --max-num-batched-tokens."
+        )
+    elif startup.max_concurrency < 1:
+        lines.append(
+            f"  One request of --max-model-len {startup.max_model_len} does not fit: vLLM refuses to start "
+            "(check_enough_kv_cache_memory). Lower --max-model-len or add memory."
+        )
+    return "\n".join(lines)
