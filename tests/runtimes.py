@@ -45,6 +45,7 @@ from strategies.tensor_parallel import (
 )
 from tracer.baseline import register_baseline
 from tracer.graph import build_graph
+from tracer.inference import CACHE_KWARG
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
@@ -418,7 +419,7 @@ def accelerate_loop_peak(model: ResolvedModel, setup: TrainingSetup, mixed_preci
 def _tensors_of(outputs) -> list[torch.Tensor]:
     """The tensors a model output holds: its fields, and the keys and values of its cache."""
     tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
-    cache = outputs.get("past_key_values")
+    cache = outputs.get(CACHE_KWARG)
     for layer in getattr(cache, "layers", []):
         tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
     return tensors

@@ -24,11 +24,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig, StaticCache
+from transformers.generation import utils as generation_utils
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from tracer.roles import Phase, Role
 from tracer.step import Batch, OnPhase
 from tracer.training import TrainingSetup
+
+
+# The keyword generate() holds the cache under, in its kwargs and the model's outputs: ``cache`` from
+# transformers 5.24 (generation/utils.py ALL_CACHE_NAMES), ``past_key_values`` before.
+CACHE_KWARG = "cache" if "cache" in generation_utils.ALL_CACHE_NAMES else "past_key_values"
 
 
 @dataclass
@@ -51,26 +57,26 @@ class InferenceStep:
         on_phase(Phase.PREFILL)
         parameters = set(inspect.signature(model.forward).parameters)
         # generate()'s own kwargs, which it keeps until it returns (the prompt's position ids among them)
-        kwargs = {"past_key_values": self._cache(), "use_cache": True, "attention_mask": None}
+        kwargs = {CACHE_KWARG: self._cache(), "use_cache": True, "attention_mask": None}
         if "position_ids" in parameters:
             kwargs["position_ids"] = _positions(batch.input_ids)
         if setup.logits_to_keep and "logits_to_keep" in parameters:
             kwargs["logits_to_keep"] = setup.logits_to_keep
         state = _Sampling(model, batch.input_ids, kwargs)
         state.forward(batch.input_ids.shape[1], first=True)
-        _mark_cache(kwargs["past_key_values"], recorder)
+        _mark_cache(kwargs[CACHE_KWARG], recorder)
         if setup.max_new_tokens == 1:
             return
         with recorder.paused() if recorder else nullcontext():
             state.skip(setup.max_new_tokens - 2)  # the decode steps before the last
         if recorder:
-            _track_cache(kwargs["past_key_values"], recorder)
+            _track_cache(kwargs[CACHE_KWARG], recorder)
             recorder.track_created(state.ids, Role.INPUT, "generated ids")
             if state.kwargs.get("position_ids") is not None:
                 recorder.track_created(state.kwargs["position_ids"], Role.INPUT, "position ids")
         on_phase(Phase.DECODE)
         state.forward(1)
-        _mark_cache(kwargs["past_key_values"], recorder)
+        _mark_cache(kwargs[CACHE_KWARG], recorder)
 
     def _cache(self):
         if self.setup.cache == "static":  # generate() sizes it to max_length - 1 (_prepare_cache_for_generation)
@@ -120,10 +126,10 @@ class _Sampling:
         """The cache, ids and kwargs as ``tokens`` more iterations leave them."""
         if tokens == 0:
             return
-        cache = self.kwargs["past_key_values"]
+        cache = self.kwargs[CACHE_KWARG]
         _grow(cache, tokens)
         self.ids = torch.cat([self.ids, self.ids.new_zeros((self.ids.shape[0], tokens))], dim=-1)
-        grown = CausalLMOutputWithPast(past_key_values=cache)
+        grown = CausalLMOutputWithPast(**{CACHE_KWARG: cache})
         self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
 
 

@@ -103,7 +103,11 @@ def _sub_config_type(model_type: Any) -> str | None:
     return getattr(text, "model_type", None) or None
 
 
-_CAUSAL_LM_TYPES = {class_name: model_type for model_type, class_name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()}
+# A causal-LM class's model type: the first that names it, its own (transformers 5.24 maps sarvam_mla to
+# DeepseekV3ForCausalLM too, after deepseek_v3), so the mapping is read backwards and the first write wins.
+_CAUSAL_LM_TYPES = {
+    class_name: model_type for model_type, class_name in reversed(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items())
+}
 
 
 def closest_bundled(model_id: str, count: int = 3) -> list[str]:
