@@ -31,8 +31,11 @@ def partition(sizes: list[tuple[str, int]], world: int) -> list[list[str]]:
 
 
 def parameter_sizes(step: StepGraph) -> list[tuple[str, int]]:
+    """The optimizer's parameters as (name, elements) in registration order: the trained ones, which the
+    optimizer is given (frozen weights, such as a LoRA base, are not, and would skew the partition)."""
+    trained = {row.param for row in step.storages.values() if row.role is Role.GRADIENT and row.param}
     rows = sorted((row for row in step.storages.values() if row.role is Role.PARAMETER and row.param), key=_id)
-    return [(row.param, row.numel) for row in rows]
+    return [(row.param, row.numel) for row in rows if row.param in trained]
 
 
 def zero_redundancy(step: StepGraph, world: int, rank: int) -> StepGraph:

@@ -14,7 +14,7 @@ from strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES, bucket_sizes, d
 from strategies.zero_redundancy import partition, zero_redundancy
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
-from tracer.training import Target, TrainingSetup
+from tracer.training import LoraSetup, Target, TrainingSetup
 
 TOLERANCE = 0.01
 MIB = 1024**2
@@ -43,6 +43,19 @@ def test_zero_redundancy_optimizer_matches_the_runtime(family, rank):
     step = zero_redundancy(ddp(build_graph(trace_step(model, setup))), world=4, rank=rank)
     estimate = find_peak(timeline(step, rounded=False)).bytes
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_zero_redundancy_partitions_the_trained_parameters_only(rank):
+    """Under LoRA the optimizer is given the adapters alone; the frozen base weights must not weigh in the
+    partition. A wrong partition moves whole state tensors between ranks (8 KiB here, under 1% of the peak), so
+    the bytes must be equal, not close. Eight layers and a vocabulary of 32 put the peak in backward."""
+    model = tiny_model("llama", num_hidden_layers=8, vocab_size=32, num_attention_heads=8, num_key_value_heads=8)
+    lora = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, lora=lora)
+    runtime = ddp_peak(model, setup, world=4, rank=rank, zero_redundancy=True)
+    step = zero_redundancy(ddp(build_graph(trace_step(model, setup))), world=4, rank=rank)
+    assert find_peak(timeline(step, rounded=False)).bytes == runtime
 
 
 def test_zero_redundancy_partition_is_torchs():
