@@ -31,7 +31,6 @@ from tracer.roles import Phase, Role
 from tracer.step import Batch, OnPhase
 from tracer.training import TrainingSetup
 
-
 # The keyword generate() holds the cache under, in its kwargs and the model's outputs: ``cache`` from
 # transformers 5.24 (generation/utils.py ALL_CACHE_NAMES), ``past_key_values`` before.
 CACHE_KWARG = "cache" if "cache" in generation_utils.ALL_CACHE_NAMES else "past_key_values"
