@@ -104,7 +104,9 @@ class TensorParallel:
                 "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Gemma-2, "
                 "GPT-NeoX/Pythia); use --tp 1."
             )
-        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE)})
+        # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
+        # embedding every plan gets here
+        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE, EMBEDDING_ROWWISE)})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
