@@ -212,6 +212,9 @@ class _Fsdp:
         if self.held_reduce_input is not None:
             finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
             self.rw.retime(self.held_reduce_input, last=finalize)
+            # Every micro-step's backward ends there (is_last_backward defaults to True): no held input crosses
+            # into the next micro-step (FSDPState._root_post_backward_final_callback).
+            self.held_reduce_input = None
 
     def all_gather(self, unit: str, point: Point) -> _Gather:
         names = self.units[unit]
