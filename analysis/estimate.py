@@ -21,7 +21,7 @@ from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
 from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
-from tracer.resolve import ResolvedModel, resolve_model
+from tracer.resolve import Model, as_model
 from tracer.trace import Trace
 from tracer.tracing import Progress, trace_step
 from tracer.training import Target, TrainingSetup
@@ -40,7 +40,7 @@ class StepResult:
 
 
 def analyze(
-    model: str | ResolvedModel,
+    model: str | Model,
     setup: TrainingSetup,
     layout: Layout = SINGLE_GPU,
     progress: Progress | None = None,
@@ -53,13 +53,13 @@ def analyze(
 
 
 def estimate(
-    model: str | ResolvedModel,
+    model: str | Model,
     setup: TrainingSetup,
     layout: Layout = SINGLE_GPU,
     progress: Progress | None = None,
 ) -> StepResult:
     """:func:`analyze`, keeping the busiest rank's step and timeline (for timelines and per-module tables)."""
-    model = resolve_model(model) if isinstance(model, str) else model
+    model = as_model(model)
     prepared = prepare(layout, setup, model.config)
     source = StepSource(model, prepared.traced, progress)
     return LayoutEstimate(model.model_id, prepared, source).evaluate(setup.batch_size, progress)
@@ -70,7 +70,7 @@ class StepSource:
     ``lines``, a batch size from 2 on is a point on the line through the steps at batches 2 and 3."""
 
     def __init__(
-        self, model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None, lines: bool = False
+        self, model: Model, setup: TrainingSetup, progress: Progress | None = None, lines: bool = False
     ) -> None:
         self.model, self.setup, self.progress, self.lines = model, setup, progress, lines
         self._traces: dict[int, Trace] = {}

@@ -24,9 +24,9 @@ from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
-from tracer.resolve import ResolvedModel, resolve_model
+from tracer.resolve import Model, as_model
 from tracer.roles import Phase
-from tracer.step import TrainingStep, build_model, build_optimizer, make_batch
+from tracer.step import TrainingStep, build_optimizer
 from tracer.trace import Storage
 from tracer.training import Target, TrainingSetup
 from tracer.units import format_bytes
@@ -61,24 +61,24 @@ def require_device(target: Target) -> None:
         raise UserError("--target cuda needs a CUDA GPU on this machine; use --target cpu to measure on CPU.")
 
 
-def measure(model: str | ResolvedModel, setup: TrainingSetup) -> MemoryReport:
+def measure(model: str | Model, setup: TrainingSetup) -> MemoryReport:
     """Run two real training steps (or generations) and report the memory of the second."""
     return measure_step(model, setup).report
 
 
-def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult:
+def measure_step(model: str | Model, setup: TrainingSetup) -> StepResult:
     """:func:`measure`, keeping the recorded step and its timeline."""
     require_device(setup.target)
     cuda = setup.target is Target.CUDA
-    model = resolve_model(model) if isinstance(model, str) else model
+    model = as_model(model)
     _refuse_if_too_large(model, setup)
     device = torch.device("cuda" if cuda else "cpu")
     if cuda:
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{setup.expandable_segments}")
     torch.manual_seed(0)
     with device:
-        net = build_model(model.config, setup)
-    batch = make_batch(model.config, setup, device)
+        net = model.build(setup)
+    batch = model.batch(setup, device)
     if setup.mode == "inference":
         step = Generation(net, setup)
         step.run(batch)  # warm up as for training: first-call allocations are not the steady state
@@ -92,6 +92,7 @@ def measure_step(model: str | ResolvedModel, setup: TrainingSetup) -> StepResult
         scaler=scaler,
         keep_outputs=setup.keep_outputs,
         fp32_outputs=setup.fp32_outputs,
+        loss_fn=model.loss_fn,
         **({"autocast": autocast} if autocast else {}),
     )
     micro_steps = setup.grad_accum
@@ -195,7 +196,7 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     return StepResult(report, step_graph, line)
 
 
-def _refuse_if_too_large(model: ResolvedModel, setup: TrainingSetup) -> None:
+def _refuse_if_too_large(model: Model, setup: TrainingSetup) -> None:
     predicted = analyze(model, setup).peak_bytes
     available = _available_bytes(setup.target)
     needed = int(predicted * (1 + HEADROOM_FRACTION)) + HEADROOM_BYTES

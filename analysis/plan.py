@@ -22,7 +22,7 @@ from analysis.steptime import Cluster, StepTime, step_time
 from strategies.layout import Layout, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
-from tracer.resolve import ResolvedModel
+from tracer.resolve import Model
 from tracer.tracing import traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
 from tracer.units import format_bytes
@@ -75,7 +75,7 @@ class Plan:
 
 
 def candidates(
-    model: ResolvedModel, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True
+    model: Model, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True
 ) -> tuple[list[Candidate], list[str]]:
     """Every layout of ``gpus`` GPUs the model and step can be split into, each with and without full
     activation checkpointing (only the user's choice if they made one); and the layouts left out, with why."""
@@ -86,8 +86,10 @@ def candidates(
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
             continue
         try:
-            if tp > 1:
+            if tp > 1 and model.config is not None:
                 TensorParallel(tp).check(model.config)
+            elif tp > 1 and not model.tp_plan:
+                raise UserError("this custom model has no tp_plan")
         except UserError as error:
             skipped.append(f"tensor parallel {tp}: {error}")
             continue
@@ -123,7 +125,7 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
 
 
 def plan(
-    model: ResolvedModel,
+    model: Model,
     setup: TrainingSetup,
     gpus: int,
     cluster: Cluster,
@@ -181,7 +183,7 @@ def _suggestions(search: _Search, gpus: int) -> list[str]:
                 f"({format_bytes(search.budget.needed_bytes(report))} per GPU; --gpus {more})"
             )
             break
-    if search.setup.lora is None and not search.setup.quantize:
+    if search.setup.lora is None and not search.setup.quantize and search.model.config is not None:
         lora = dataclasses.replace(search.candidate_setup(recompute), lora=LoraSetup(r=16))
         layout = Layout(gpus=gpus)
         steps = search.layout_estimate(lora, layout)
@@ -196,7 +198,7 @@ def _suggestions(search: _Search, gpus: int) -> list[str]:
 
 @dataclass
 class _Search:
-    model: ResolvedModel
+    model: Model
     setup: TrainingSetup
     cluster: Cluster
     budget: MemoryBudget

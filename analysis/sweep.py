@@ -17,7 +17,7 @@ from analysis.report import MemoryReport
 from strategies.layout import Layout
 from tracer.errors import UserError
 from tracer.gpus import Gpu
-from tracer.resolve import ResolvedModel
+from tracer.resolve import Model
 from tracer.training import TrainingSetup
 from tracer.units import format_bytes
 
@@ -82,7 +82,7 @@ def parse_sweep(items: Sequence[str], mode: str) -> dict[str, tuple[int, ...]]:
 
 
 def run_sweep(
-    model: ResolvedModel,
+    model: Model,
     setup: TrainingSetup,
     layout: Layout,
     axes: dict[str, tuple[int, ...]],

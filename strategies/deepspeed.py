@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from strategies.collectives import gradient_bytes, recorded, sharded_data_parallel, updated_parameters_gather
 from strategies.rewrite import Point, Rewrite, unit_windows
+from tracer.errors import UserError
 from tracer.graph import (
     DATA_PARALLEL,
     DEVICE_TO_HOST,
@@ -65,10 +66,17 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only (overlap_comm_valid)
 
-    def resolved(self, hidden_size: int) -> ZeroConfig:
+    def resolved(self, hidden_size: int | None) -> ZeroConfig:
         """``"auto"`` sizes as ``HfTrainerDeepSpeedConfig.trainer_config_finalize`` fills them (transformers
         integrations/deepspeed.py): hidden x hidden for the bucket, 0.9 of that for the prefetch, 10 x hidden
-        for the persistence threshold."""
+        for the persistence threshold. ``hidden_size`` None: a model without a config, which cannot fill them."""
+        if hidden_size is None:
+            if any(getattr(self, key.name) == AUTO for key in dataclasses.fields(self)):
+                raise UserError(
+                    "DeepSpeed's \"auto\" sizes are filled from the model config's hidden_size, which a custom "
+                    "model has none of: give them as numbers in the DeepSpeed config."
+                )
+            return self
         auto = {
             "reduce_bucket_size": hidden_size * hidden_size,
             "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),

@@ -190,20 +190,23 @@ class PreparedLayout:
         return step
 
 
-def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig) -> PreparedLayout:
+def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
     """Refuse, before any tracing, a layout this model or step cannot be split into; otherwise the layout's
-    runtimes and the step to trace for it."""
+    runtimes and the step to trace for it. A custom model has no ``config``: its tensor-parallel plan is checked
+    against the traced model when the plan is applied."""
     if setup.mode == "inference" and (not layout.plain or layout.offload):
         raise UserError(
             "--mode inference is modelled on one GPU: drop --gpus, --tp, --zero and --offload (a data-parallel "
             "replica serving its own requests needs what one GPU needs)."
         )
     if layout.engine == "deepspeed":
-        layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(config.hidden_size))
+        hidden_size = getattr(config, "hidden_size", None)
+        layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(hidden_size))
     tensor = None
     if layout.tp > 1:
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
-        tensor.check(config)
+        if config is not None:
+            tensor.check(config)
     if setup.quantize and layout.tp > 1:
         raise UserError(
             "Quantized base weights (--qlora, --load-in-8bit) are not modelled with tensor parallelism: "

@@ -170,9 +170,9 @@ def megatron_plan(
     styles = {pattern: style for pattern, style in structure.tp_plan.items() if pattern.startswith(layers)}
     if not styles:
         raise UserError(
-            f"--tp needs a tensor-parallel plan for the decoder layers, and transformers defines none for "
-            f"{structure.model_class}. Tensor parallelism is modelled for models that have one (Llama, "
-            "Mistral, Qwen2, Gemma-2, GPT-NeoX/Pythia); use --tp 1."
+            f"--tp needs a tensor-parallel plan for the decoder layers, and {structure.model_class} has none. "
+            "transformers defines one for Llama, Mistral, Qwen2, Gemma-2 and GPT-NeoX/Pythia; a custom model "
+            "gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
     for pattern, style in styles.items():
         if style not in (COLWISE, ROWWISE):
@@ -180,7 +180,8 @@ def megatron_plan(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
                 "not modelled (only colwise and rowwise are); use --tp 1."
             )
-    styles[structure.input_embedding] = EMBEDDING_ROWWISE
+    if structure.input_embedding:
+        styles[structure.input_embedding] = EMBEDDING_ROWWISE
     if structure.output_embedding:
         styles[structure.output_embedding] = COLWISE_GATHER_OUTPUT if gathered_output else COLWISE
     return TpPlan(degree, rank, styles, sequence_length, structure.output_embedding)

@@ -49,9 +49,9 @@ from tracer.inference import CACHE_KWARG
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
-from tracer.resolve import ResolvedModel
+from tracer.resolve import Model, ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
+from tracer.step import TrainingStep, batch_tensors, build_model, build_optimizer, make_batch, optimizer_recipe
 from tracer.tracing import as_eager
 from tracer.training import TrainingSetup
 
@@ -78,7 +78,7 @@ def _real_mesh(build: Callable[..., DeviceMesh]) -> Callable[..., DeviceMesh]:
 
 
 def _peak_of_step(
-    model: ResolvedModel,
+    model: Model,
     setup: TrainingSetup,
     parallelize: Callable[[nn.Module], None],
     context: Callable[[], AbstractContextManager] = nullcontext,
@@ -100,12 +100,13 @@ def _peak_of_step(
         patch.object(DeviceMesh, "_concatenate", staticmethod(_real_mesh(DeviceMesh._concatenate))),
     ):
         torch.manual_seed(0)
-        net = build_model(model.config, setup)
+        net = model.build(setup)
         parallelize(net)
-        step = TrainingStep(wrap(net) if wrap else net, build_optimizer(net, setup, foreach=None))
+        optimizer = build_optimizer(net, setup, foreach=None)
+        step = TrainingStep(wrap(net) if wrap else net, optimizer, loss_fn=model.loss_fn)
         if setup.autocast_dtype is not None:
             step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
-        batch = make_batch(model.config, setup, "cpu")
+        batch = model.batch(setup, "cpu")
         micro_steps = setup.grad_accum
         with context():
             step.run(batch, micro_steps=micro_steps)
@@ -119,10 +120,10 @@ def _peak_of_step(
 def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
     if isinstance(net, FSDPModule):
         tracker = FSDPMemTracker(net, optimizer)
-        tracker.track_inputs((batch.input_ids, batch.labels))
+        tracker.track_inputs(tuple(tensor for _, tensor in batch_tensors(batch)))
     else:
         tracker = MemTracker()
-        tracker.track_external(net, optimizer, batch.input_ids, batch.labels)
+        tracker.track_external(net, optimizer, *(tensor for _, tensor in batch_tensors(batch)))
     return tracker
 
 
@@ -140,7 +141,7 @@ def _reshard(after_forward: bool) -> bool | None:
 
 
 def fsdp2_peak(
-    model: ResolvedModel,
+    model: Model,
     setup: TrainingSetup,
     world: int,
     rank: int = 0,
@@ -223,7 +224,7 @@ class _WithPositions(nn.Module):
 
 
 def tensor_parallel_peak(
-    model: ResolvedModel,
+    model: Model,
     setup: TrainingSetup,
     degree: int,
     rank: int = 0,
@@ -240,7 +241,7 @@ def tensor_parallel_peak(
     with fake_process_group(world, data_rank * degree + rank):
         mesh = init_device_mesh("cpu", (data_parallel, degree), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
-            structure = model_structure(build_model(model.config, setup))
+            structure = model_structure(model.build(setup))
         sequence_length = setup.seq_len if sequence_parallel else None
         plan = megatron_plan(structure, degree, rank, gathered_output, sequence_length)
 
@@ -259,16 +260,14 @@ def tensor_parallel_peak(
         return _peak_of_step(model, setup, parallelize, context, wrap)
 
 
-def ddp_peak(
-    model: ResolvedModel, setup: TrainingSetup, world: int, rank: int = 0, zero_redundancy: bool = False
-) -> int:
+def ddp_peak(model: Model, setup: TrainingSetup, world: int, rank: int = 0, zero_redundancy: bool = False) -> int:
     """``DistributedDataParallel`` with its defaults, on real CPU tensors (its reducer is C++ and does not run
     on fake ones); with ``zero_redundancy``, its optimizer wrapped in ``ZeroRedundancyOptimizer`` (ZeRO-1).
     A pass-through communication hook hands back each bucket's flat buffer, which the recorder counts from
     before the step as the reducer keeps it for the module's life."""
     with fake_process_group(world, rank):
         torch.manual_seed(0)
-        net = build_model(model.config, setup)
+        net = model.build(setup)
         ddp = DistributedDataParallel(net)
         buckets: dict[int, torch.Tensor] = {}
 
@@ -285,8 +284,8 @@ def ddp_peak(
             optimizer = ZeroRedundancyOptimizer(trainable, optimizer_class, **arguments)
         else:
             optimizer = build_optimizer(net, setup, foreach=None)
-        step = TrainingStep(ddp, optimizer)
-        batch = make_batch(model.config, setup, "cpu")
+        step = TrainingStep(ddp, optimizer, loss_fn=model.loss_fn)
+        batch = model.batch(setup, "cpu")
         micro_steps = setup.grad_accum
         step.run(batch, micro_steps=micro_steps)
         step.run(batch, micro_steps=micro_steps)  # the reducer rebuilds its buckets in gradient-ready order
@@ -303,7 +302,7 @@ def ddp_peak(
         return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes
 
 
-def runtime_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int | None:
+def runtime_peak(model: Model, setup: TrainingSetup, layout: Layout, rank: Rank) -> int | None:
     """The runtime the layout stands for, run for ``rank``; None where none runs here (DeepSpeed, and DDP
     over tensor-parallel DTensors). Mixed precision under FSDP2 is its MixedPrecisionPolicy."""
     if layout.engine == "deepspeed" or (layout.tp > 1 and layout.zero < 2 and layout.dp > 1):

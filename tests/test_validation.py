@@ -127,10 +127,10 @@ def test_library_errors_while_tracing_name_the_model_and_op(tmp_path, capsys, mo
 
 
 def test_errors_while_building_the_model_name_the_model(tmp_path, capsys, monkeypatch):
-    import tracer.tracing
+    import tracer.resolve
 
     def broken(config, setup):
         raise KeyError("rope_type")
 
-    monkeypatch.setattr(tracer.tracing, "build_model", broken)
+    monkeypatch.setattr(tracer.resolve, "build_model", broken)
     _one_line_error(capsys, ["analyze", _config(tmp_path, "llama"), "--seq-len", "16", "--quiet"], "failed: KeyError")

@@ -11,7 +11,7 @@ from transformers.utils import ModelOutput
 from tracer.modules import decoder_blocks
 from tracer.recorder import StepRecorder
 from tracer.roles import Role
-from tracer.step import Batch, TrainingStep
+from tracer.step import Batch, TrainingStep, batch_tensors
 
 GRAD_SCALER_STATE = ("_scale", "_growth_tracker")
 
@@ -36,8 +36,8 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
                 recorder.track_existing(
                     value, Role.OPTIMIZER_STATE, f"{param_name}.{key}", param=param_name, on_device=on_device
                 )
-    recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
-    recorder.track_existing(batch.labels, Role.INPUT, "labels")
+    for name, tensor in batch_tensors(batch):
+        recorder.track_existing(tensor, Role.INPUT, name)
     if step.kept_outputs is not None:
         for name, tensor in _output_tensors(step.kept_outputs, decoder_blocks(model)):
             recorder.track_existing(tensor, Role.ACTIVATION, f"previous step's outputs: {name}")

@@ -9,7 +9,13 @@ import warnings
 import torch
 from torch import nn
 from torch._functorch.partitioners import get_default_op_list
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE,
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from transformers import PreTrainedModel
 
 from tracer.errors import UserError
 from tracer.modules import decoder_blocks
@@ -17,26 +23,54 @@ from tracer.modules import decoder_blocks
 
 def enable_checkpointing(model: nn.Module, kind: str, reentrant: bool) -> None:
     """``full``: every decoder layer, as ``model.gradient_checkpointing_enable()`` does (with transformers'
-    default ``use_reentrant=False`` unless ``reentrant``). ``op``: every decoder layer under torchtitan's
+    default ``use_reentrant=False`` unless ``reentrant``), or, in a model that is no transformers model, as
+    torch's ``checkpoint_wrapper`` around each repeated block does. ``op``: every decoder layer under torchtitan's
     per-op selective policy (:func:`torchtitan_op_policy`). ``selective``: only the attention module of every
     decoder layer is checkpointed, its inputs kept and its internals recomputed in backward."""
     if reentrant and kind != "full":  # transformers calls attention with keyword arguments; SAC needs non-reentrant
         raise UserError(f"--grad-checkpointing {kind} runs non-reentrant: drop --reentrant.")
     if kind in ("full", "op"):
-        if not getattr(model, "supports_gradient_checkpointing", False):
+        context = {"context_fn": torchtitan_op_policy} if kind == "op" else {}
+        if not isinstance(model, PreTrainedModel):
+            _wrap_blocks(model, reentrant, context)
+            return
+        if not model.supports_gradient_checkpointing:
             raise UserError(f"{type(model).__name__} does not support gradient checkpointing in transformers.")
-        kwargs = {"use_reentrant": reentrant} | ({"context_fn": torchtitan_op_policy} if kind == "op" else {})
         with warnings.catch_warnings():  # transformers 5 renames the method and warns about the old name
             warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant} | context)
         return
     attentions = [_attention_of(model.get_submodule(block)) for block in decoder_blocks(model)]
     if not attentions or None in attentions:
         raise UserError(f"--grad-checkpointing selective: no attention module found in {type(model).__name__}.")
     for attention in attentions:
         attention.forward = functools.partial(checkpoint, attention.forward, use_reentrant=False)
-    # As transformers does under gradient checkpointing: a recomputed attention would append to the cache twice.
-    model.config.use_cache = False
+    if isinstance(model, PreTrainedModel):
+        # As transformers does under gradient checkpointing: a recomputed attention would append to the cache twice.
+        model.config.use_cache = False
+
+
+def _wrap_blocks(model: nn.Module, reentrant: bool, context: dict) -> None:
+    """A model that is no transformers model: each repeated block wrapped in torch's ``checkpoint_wrapper``,
+    as torchtitan's ``apply_ac`` wraps its transformer blocks."""
+    blocks = decoder_blocks(model)
+    if not blocks:
+        raise UserError(f"--grad-checkpointing: no repeated blocks found in {type(model).__name__} to checkpoint.")
+    implementation = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    for path in blocks:
+        parent, _, name = path.rpartition(".")
+        container = model.get_submodule(parent)
+        wrapped = checkpoint_wrapper(container.get_submodule(name), checkpoint_impl=implementation, **context)
+        container.register_module(name, wrapped)
+    # A tensor-parallel plan names the blocks' modules, now one level down (torchtitan applies TP first).
+    blocks_pattern = blocks[0].rpartition(".")[0] + ".*."
+    plan = getattr(model, "_tp_plan", None) or {}
+    model._tp_plan = {
+        (blocks_pattern + f"{_CHECKPOINT_WRAPPED_MODULE}." + pattern.removeprefix(blocks_pattern))
+        if pattern.startswith(blocks_pattern)
+        else pattern: style
+        for pattern, style in plan.items()
+    }
 
 
 def _attention_of(block: nn.Module) -> nn.Module | None:

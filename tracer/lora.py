@@ -17,6 +17,7 @@ def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
     """``get_peft_model`` with ``LoraConfig(r, lora_alpha, target_modules, lora_dropout)``: the base is
     frozen (no gradients, no optimizer state), the adapters train."""
     from peft import LoraConfig, get_peft_model
+    from transformers import PreTrainedModel
 
     config = LoraConfig(
         r=lora.r,
@@ -24,7 +25,8 @@ def apply_lora(model: nn.Module, lora: LoraSetup) -> nn.Module:
         target_modules=_target_modules(lora.targets),
         lora_dropout=lora.dropout,
         bias="none",
-        task_type="CAUSAL_LM",
+        # a custom model's forward is its own: peft's generic PeftModel passes its arguments through
+        task_type="CAUSAL_LM" if isinstance(model, PreTrainedModel) else None,
     )
     try:
         with patch.object(nn.Module, "to", _replacing_tensors):

@@ -115,14 +115,33 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 def model_structure(model: nn.Module) -> ModelStructure:
     names = {id(module): name for name, module in model.named_modules()}
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding, output = input_embedding(model), output_layer(model)
     return ModelStructure(
         blocks=decoder_blocks(model),
-        input_embedding=names[id(model.get_input_embeddings())],
+        input_embedding=names[id(embedding)] if embedding is not None else "",
         output_embedding=names.get(id(output)) if output is not None else None,
         tp_plan=dict(getattr(model, "_tp_plan", None) or {}),
         model_class=type(model).__name__,
     )
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The token embedding: transformers' ``get_input_embeddings()``, else the model's first ``nn.Embedding``."""
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings()
+    return next((module for module in model.modules() if isinstance(module, nn.Embedding)), None)
+
+
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The layer that makes the logits: transformers' ``get_output_embeddings()``, else the model's last
+    ``nn.Linear`` with as many outputs as the token embedding has rows (torchtitan's ``output``)."""
+    if hasattr(model, "get_output_embeddings"):
+        return model.get_output_embeddings()
+    embedding = input_embedding(model)
+    if embedding is None:
+        return None
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == embedding.num_embeddings]
+    return linears[-1] if linears else None
 
 
 def enclosing_block(path: str, blocks: Container[str]) -> str | None:
@@ -132,14 +151,16 @@ def enclosing_block(path: str, blocks: Container[str]) -> str | None:
 
 
 def decoder_blocks(model: nn.Module) -> tuple[str, ...]:
-    """Module paths of the repeated decoder layers: the children of the longest ``nn.ModuleList`` whose
-    modules share one class and hold parameters (``model.layers.0`` ... for Llama, ``transformer.h.0`` ...
-    for GPT-2)."""
+    """Module paths of the repeated decoder layers: the children of the longest ``nn.ModuleList`` (or
+    ``nn.ModuleDict``, as torchtitan keeps them) whose modules share one class and hold parameters
+    (``model.layers.0`` ... for Llama, ``transformer.h.0`` ... for GPT-2)."""
     best: tuple[str, ...] = ()
     for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) <= len(best):
+        if not isinstance(module, nn.ModuleList | nn.ModuleDict) or len(module) <= len(best):
             continue
-        kinds = {type(child) for child in module}
-        if len(kinds) == 1 and any(True for _ in module[0].parameters()):
-            best = tuple(f"{name}.{index}" for index in range(len(module)))
+        children = dict(module.named_children())
+        kinds = {type(child) for child in children.values()}
+        first = next(iter(children.values()))
+        if len(kinds) == 1 and any(True for _ in first.parameters()):
+            best = tuple(f"{name}.{key}" for key in children)
     return best

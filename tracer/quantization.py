@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from tracer.modules import output_layer
+
 NF4_BLOCKSIZE = 64  # Linear4bit's blocksize (and BitsAndBytesConfig's default)
 NESTED_BLOCKSIZE = 256  # the absmax of each NF4 block, quantized again in blocks of 256 (compress_statistics)
 NF4_CODE_SIZE = 16  # the NF4 code book, float32
@@ -24,7 +26,7 @@ def quantize_base_weights(model: nn.Module, kind: str) -> None:
     """Replace the decoder layers' linear layers by quantized ones, as ``load_in_4bit`` / ``load_in_8bit``
     do (``replace_with_bnb_linear``: ``nn.Linear`` and GPT-2's ``Conv1D``; the lm_head stays in full
     precision)."""
-    output = model.get_output_embeddings()
+    output = output_layer(model)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child is output or not isinstance(child, nn.Linear | Conv1D):

@@ -13,15 +13,20 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import torch
+from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tracer.config_check import check_config
+from tracer.custom import CustomModel
 from tracer.errors import UserError
 from tracer.registry import BUNDLED_MODELS, find_bundled
+from tracer.step import Batch, build_model, make_batch
+from tracer.training import TrainingSetup
 
 HUB_HOST = "huggingface.co"
 HUB_TIMEOUT_S = 3.0
@@ -29,9 +34,27 @@ HUB_TIMEOUT_S = 3.0
 
 @dataclass(frozen=True)
 class ResolvedModel:
+    """A transformers model by its config, trained with its own loss (``model(input_ids, labels=labels).loss``)."""
+
     model_id: str
     config: PretrainedConfig
     source: str  # where the config came from, for the report
+    loss_fn: ClassVar[None] = None
+
+    def build(self, setup: TrainingSetup) -> nn.Module:
+        return build_model(self.config, setup)
+
+    def batch(self, setup: TrainingSetup, device: torch.device | str) -> Batch:
+        return make_batch(self.config, setup, device)
+
+
+# What the estimate traces: a transformers config, or a factory and a loss function (tracer/custom.py).
+Model = ResolvedModel | CustomModel
+
+
+def as_model(model: str | Model) -> Model:
+    """A model given by id or path, resolved; one given as an object, as it is."""
+    return resolve_model(model) if isinstance(model, str) else model
 
 
 def resolve_model(model_id: str) -> ResolvedModel:

@@ -7,9 +7,11 @@ Python code and differ only in the tensors underneath.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +50,11 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
         raise UserError(f"transformers cannot build this model from its config: {error}") from None
     if setup.use_cache is not None and setup.mode == "train":
         model.config.use_cache = setup.use_cache
+    return apply_variants(model, setup)
+
+
+def apply_variants(model: nn.Module, setup: TrainingSetup) -> nn.Module:
+    """The setup's variants on a built model: quantized base weights, checkpointing, then LoRA adapters."""
     if setup.quantize:
         quantize_base_weights(model, setup.quantize)
     if setup.grad_checkpointing:
@@ -94,13 +101,38 @@ class Batch:
 
 
 def make_batch(config: PretrainedConfig, setup: TrainingSetup, device: torch.device | str) -> Batch:
+    return make_token_batch(config.vocab_size, setup, device)
+
+
+def make_token_batch(vocab_size: int, setup: TrainingSetup, device: torch.device | str) -> Batch:
     """Token ids and labels as a data collator hands them over: two separate int64 tensors."""
     shape = (setup.batch_size, setup.seq_len)
-    input_ids = torch.randint(0, config.vocab_size, shape, device=device)
+    input_ids = torch.randint(0, vocab_size, shape, device=device)
     return Batch(input_ids=input_ids, labels=input_ids.clone())
 
 
+def batch_tensors(batch: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors a batch holds, named: a :class:`Batch`'s fields, or those of a custom model's batch (a
+    tensor, a dataclass, a mapping, a tuple or a list of them, nested)."""
+    if isinstance(batch, torch.Tensor):
+        yield "batch", batch
+        return
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = ((field.name, getattr(batch, field.name)) for field in dataclasses.fields(batch))
+    elif isinstance(batch, Mapping):
+        items = ((str(key), value) for key, value in batch.items())
+    elif isinstance(batch, tuple | list):
+        items = ((str(index), value) for index, value in enumerate(batch))
+    else:
+        return
+    for name, value in items:
+        for inner, tensor in batch_tensors(value):
+            yield (name if inner == "batch" else f"{name}.{inner}"), tensor
+
+
 OnPhase = Callable[[Phase], None]
+# A custom model's forward and loss, ``loss_fn(model, batch) -> loss`` (tracer/custom.py).
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclass
@@ -121,6 +153,7 @@ class TrainingStep:
     keep_outputs: bool = False
     kept_outputs: ModelOutput | None = None
     fp32_outputs: bool = False  # accelerate's convert_outputs_to_fp32 around the forward
+    loss_fn: LossFn | None = None  # a custom model's forward and loss (tracer/custom.py); None: outputs.loss
 
     def forward(self, batch: Batch) -> ModelOutput:
         with self.autocast():
@@ -131,14 +164,20 @@ class TrainingStep:
             outputs = convert_to_fp32(outputs)
         return outputs
 
+    def loss(self, batch: Batch) -> torch.Tensor:
+        """The forward and its loss; the outputs are kept only if the loop keeps them."""
+        if self.loss_fn is not None:
+            with self.autocast():
+                return self.loss_fn(self.model, batch)
+        outputs = self.forward(batch)
+        self.kept_outputs = outputs if self.keep_outputs else None
+        return outputs.loss
+
     def run(self, batch: Batch, on_phase: OnPhase = lambda phase: None, micro_steps: int = 1) -> None:
         """One optimizer step after ``micro_steps`` forward and backward passes (gradient accumulation)."""
         for _ in range(micro_steps):
             on_phase(Phase.FORWARD)
-            outputs = self.forward(batch)
-            loss = outputs.loss
-            self.kept_outputs = outputs if self.keep_outputs else None
-            del outputs
+            loss = self.loss(batch)
             if micro_steps > 1:
                 loss = loss / micro_steps
             on_phase(Phase.BACKWARD)

@@ -32,10 +32,10 @@ from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
-from tracer.resolve import ResolvedModel
+from tracer.resolve import Model
 from tracer.roles import Phase, Role
 from tracer.stamping import Blocks, NotStampable, stamp
-from tracer.step import TrainingStep, attention_implementation, build_model, build_optimizer, make_batch
+from tracer.step import TrainingStep, attention_implementation, build_optimizer
 from tracer.trace import Trace
 from tracer.training import Target, TrainingSetup
 
@@ -54,14 +54,16 @@ Progress = Callable[[str, int, int], None]
 
 
 def trace_step(
-    model: ResolvedModel, setup: TrainingSetup, progress: Progress | None = None, every_layer: bool = False
+    model: Model, setup: TrainingSetup, progress: Progress | None = None, every_layer: bool = False
 ) -> Trace:
     """Record one steady-state training step, telling ``progress`` how far it got. A training step of a model
     whose decoder layers repeat is recorded on the model cut to a few layers and stamped out to all of them
     (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all."""
     inference = setup.mode == "inference"
-    plan = None if every_layer or inference else plan_layers(model.config)
+    plan = None if every_layer or inference or model.config is None else plan_layers(model.config)
     why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
+    if model.config is None:
+        why += " (a custom model: no config to build it with fewer layers)"
     if plan is not None:
         try:
             cut, net = _record(model, setup, _naming_the_cut(progress, plan), plan)
@@ -109,21 +111,20 @@ def _stamped(cut: Trace, net: nn.Module, plan: LayerPlan) -> Trace:
 
 
 def _record(
-    model: ResolvedModel, setup: TrainingSetup, progress: Progress | None, plan: LayerPlan | None = None
+    model: Model, setup: TrainingSetup, progress: Progress | None, plan: LayerPlan | None = None
 ) -> tuple[Trace, nn.Module]:
     """Record the step of ``model``, or of it cut to the layers ``plan`` traces, with the model it ran."""
     report = progress or (lambda stage, done, total: None)
-    config = model.config
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model", 0, 0)
-        net = build_model(config if plan is None else plan.cut, setup)
+        net = (model if plan is None else replace(model, config=plan.cut)).build(setup)
         if plan is not None:
             plan.widen(net.config)
-        batch = make_batch(config, setup, "cpu")
+        batch = model.batch(setup, "cpu")
         if setup.mode == "inference":
-            optimizer, step = None, InferenceStep(net, config, setup)
+            optimizer, step = None, InferenceStep(net, model.config, setup)
         else:
             optimizer = build_optimizer(net, setup, foreach=True if cuda else None)
             step = TrainingStep(
@@ -133,6 +134,7 @@ def _record(
                 scaler=TraceGradScaler("cpu") if setup.mixed_precision == "fp16" else None,
                 keep_outputs=setup.keep_outputs,
                 fp32_outputs=setup.fp32_outputs,
+                loss_fn=model.loss_fn,
             )
         step.prime(batch)
         blocks = len(decoder_blocks(net))
@@ -162,7 +164,8 @@ def _record(
     trace = recorder.trace()
     if cuda:
         mark_host_storages(trace)
-    trace.assumptions = _assumptions(model, net.config, setup, optimizer, emulation)
+    config = None if model.config is None else net.config  # the one the model ran with
+    trace.assumptions = _assumptions(model, config, setup, optimizer, emulation)
     return trace, net
 
 
@@ -196,15 +199,17 @@ def traced_micro_steps(setup: TrainingSetup) -> int:
 
 
 def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, object]:
+    """``config`` is the transformers config the model ran with, None for a custom model (its loss function)."""
     kind = type(optimizer)
     implementation = ", ".join(
         f"{key}={optimizer.defaults[key]}" for key in ("foreach", "fused", "momentum") if optimizer.defaults.get(key)
     )
-    forward = (
-        "outputs = model(input_ids, labels=labels); loss = outputs.loss"
-        if setup.keep_outputs
-        else ("loss = model(input_ids, labels=labels).loss")
-    )
+    if config is None:
+        forward = "loss = loss_fn(model, batch)"
+    elif setup.keep_outputs:
+        forward = "outputs = model(input_ids, labels=labels); loss = outputs.loss"
+    else:
+        forward = "loss = model(input_ids, labels=labels).loss"
     return {
         "step": f"{forward}; loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)"
         + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else "")
@@ -288,9 +293,14 @@ class traced_errors(AbstractContextManager):
         ) from None
 
 
-def _assumptions(model: ResolvedModel, config, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
+def _assumptions(model: Model, config, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
     """What the trace assumed; ``config`` is the config the model ran with (checkpointing turns its cache off)."""
-    attention = attention_implementation(config, setup)
+    if config is None:
+        attention = "the model's own code"
+    else:
+        attention = attention_implementation(config, setup)
+        if attention != setup.attn:
+            attention += f" ({type(config).__name__} has no SDPA path in transformers)"
     assumptions: dict[str, object] = {
         "model_source": model.source,
         **_checkpoint_quantization(config),
@@ -299,8 +309,7 @@ def _assumptions(model: ResolvedModel, config, setup: TrainingSetup, optimizer, 
             if setup.mode == "inference"
             else _training_assumptions(config, setup, optimizer)
         ),
-        "attention_implementation": attention
-        + ("" if attention == setup.attn else f" ({type(config).__name__} has no SDPA path in transformers)"),
+        "attention_implementation": attention,
         "allocation_rounding_bytes": MIN_BLOCK_SIZE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
