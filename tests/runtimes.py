@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -117,12 +118,53 @@ def _peak_of_step(
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
+class _ReleasingGradHooks:
+    """A memory tracker that frees what a GPU run frees between micro-steps. ModTracker puts
+    ``register_multi_grad_hook(mode="all")`` on every module's inputs and never removes it; the hook's closure
+    forms a cycle with the autograd graph, which then outlives backward, and with it a leaf input that requires
+    grad (the embedding output transformers' ``enable_input_require_grads`` makes under checkpointing) and that
+    leaf's ``.grad`` (pytorch/pytorch#139214). The hooks are removed at ``reset_mod_stats``, which the references
+    call after each micro-step's backward."""
+
+    def __enter__(self):
+        self._grad_hooks: list = []
+        register = mod_tracker.register_multi_grad_hook
+
+        def register_and_keep(*args, **kwargs):
+            handle = register(*args, **kwargs)
+            self._grad_hooks.append(handle)
+            return handle
+
+        self._patched = patch.object(mod_tracker, "register_multi_grad_hook", register_and_keep)
+        self._patched.start()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patched.stop()
+
+    def reset_mod_stats(self) -> None:
+        while self._grad_hooks:
+            self._grad_hooks.pop().remove()
+        super().reset_mod_stats()
+
+
+class _MemTracker(_ReleasingGradHooks, MemTracker):
+    pass
+
+
+class _FsdpMemTracker(_ReleasingGradHooks, FSDPMemTracker):
+    pass
+
+
 def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, batch) -> MemTracker:
     if isinstance(net, FSDPModule):
-        tracker = FSDPMemTracker(net, optimizer)
+        tracker = _FsdpMemTracker(net, optimizer)
         tracker.track_inputs(tuple(tensor for _, tensor in batch_tensors(batch)))
     else:
-        tracker = MemTracker()
+        tracker = _MemTracker()
         tracker.track_external(net, optimizer, *(tensor for _, tensor in batch_tensors(batch)))
     return tracker
 
@@ -373,7 +415,7 @@ def trainer_peak(model: ResolvedModel, setup: TrainingSetup, **arguments) -> int
     return peaks[0]
 
 
-class _FrozenAwareMemTracker(MemTracker):
+class _FrozenAwareMemTracker(_ReleasingGradHooks, MemTracker):
     """MemTracker without the gradient hooks it would put on frozen parameters (peft's base), which refuse hooks
     and never get a gradient; the hooks only label gradients, the totals do not depend on them."""
 
