@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from tracer.checkpointing import enable_checkpointing
@@ -193,10 +194,10 @@ class TrainingStep:
     def prime(self, batch: Batch) -> None:
         """Reach the steady state without running the model: one optimizer step on zero gradients creates
         the optimizer state (and the GradScaler's scale) exactly as a first real step would; a loop that keeps
-        its outputs holds the previous step's, which a forward without autograd makes."""
+        its outputs holds the previous step's: those of a forward with autograd (transformers drops the key/value
+        cache under checkpointing only then), without the graph, which that step's backward freed."""
         if self.keep_outputs:
-            with torch.no_grad():
-                self.kept_outputs = self.forward(batch)
+            self.kept_outputs = _without_graph(self.forward(batch))
         params = [p for p in self.model.parameters() if p.requires_grad]
         for param in params:
             param.grad = torch.zeros_like(param)
@@ -213,3 +214,16 @@ def _causal_lm_class(config: PretrainedConfig) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+
+
+def _without_graph(outputs: ModelOutput) -> ModelOutput:
+    """The model's outputs with every tensor, the cache's included, detached from the autograd graph."""
+    for key, value in outputs.items():
+        if isinstance(value, torch.Tensor):
+            outputs[key] = value.detach()
+        elif isinstance(value, Cache):
+            for layer in value.layers:
+                for name, tensor in vars(layer).items():
+                    if isinstance(tensor, torch.Tensor):
+                        setattr(layer, name, tensor.detach())
+    return outputs
