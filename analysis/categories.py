@@ -16,6 +16,7 @@ import numpy as np
 from analysis.liveness import Lifetime, lifetimes
 from analysis.peak import Timeline, live_bytes
 from tracer.graph import StepGraph, StorageRow
+from tracer.modules import LOOP
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 
@@ -55,10 +56,11 @@ def category_of(row: StorageRow, producer: Op | None, structure: ModelStructure)
 
 
 def _in_head(module: str, structure: ModelStructure) -> bool:
-    """Made by the output layer, or by the model around it (``""``; ``base_model.model`` under peft)."""
+    """Made by the output layer, by the model around it (``""``; ``base_model.model`` under peft), or by the
+    loop's own loss outside the model."""
     output = structure.output_embedding
-    if not output:
-        return module == ""
+    if module == LOOP or not output:
+        return module in ("", LOOP)
     return module in (output, output.rpartition(".")[0]) or module.startswith(output + ".")
 
 

@@ -11,6 +11,7 @@ from itertools import count
 from typing import NamedTuple
 
 from tracer.graph import StepGraph, StorageRow, replaced
+from tracer.modules import LOOP
 from tracer.roles import Phase, Role
 from tracer.trace import Op
 
@@ -93,9 +94,10 @@ class Rewrite:
         dtype: str,
         param: str | None = None,
         on_device: bool = True,
+        stream: str = "",
     ) -> int:
         """A new storage live from ``first`` to ``last`` (None: from before the step / past its end); in
-        host memory if not ``on_device``."""
+        host memory if not ``on_device``; allocated on a side ``stream`` of the runtime's ("": the compute one)."""
         storage_id = self._next_id
         self._next_id += 1
         row = StorageRow(
@@ -111,6 +113,7 @@ class Rewrite:
             on_device=on_device,
             name=name,
             param=param,
+            stream=stream,
         )
         self._rows[storage_id] = (row, first, last)
         return storage_id
@@ -169,6 +172,8 @@ def unit_windows(
 
 
 def _owning_unit(module: str, units: dict[str, tuple[str, ...]]) -> str | None:
+    if module == LOOP:  # outside the model: no unit's, not even the root's
+        return None
     best, best_length = None, -1
     for unit, prefixes in units.items():
         for prefix in prefixes:

@@ -5,6 +5,7 @@ Four blocks and a vocabulary of 32 put the peak in backward, where the layouts a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ _spec.loader.exec_module(example)
 
 ARGS = example.LlamaArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, ffn_dim=128, max_seq_len=64)
 MODEL = example.titan_llama(ARGS)
+# A vocabulary of 4,096: the peak at the loss, which the loop computes outside the model (after FSDP's post-forward).
+LOGITS_MODEL = example.titan_llama(dataclasses.replace(ARGS, vocab_size=4096))
 ADAPTERS = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
 
 
@@ -56,27 +59,32 @@ def test_custom_model_matches_eager_execution(options):
 
 
 @pytest.mark.parametrize(
-    ("layout", "options"),
+    ("model", "layout", "options"),
     [
-        (Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
-        (Layout(gpus=4, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "op"}),
-        (Layout(gpus=4), {"lora": ADAPTERS}),
-        (Layout(gpus=4, zero=1), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
-        (Layout(gpus=2, tp=2), {"grad_checkpointing": "full"}),
-        pytest.param(Layout(gpus=4, tp=2, zero=3), {}, marks=pytest.mark.slow),
-        pytest.param(Layout(gpus=4, zero=2), {"grad_accum": 2}, marks=pytest.mark.slow),
+        (MODEL, Layout(gpus=4, zero=3), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
+        (MODEL, Layout(gpus=4, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "op"}),
+        (LOGITS_MODEL, Layout(gpus=4, zero=3), {}),
+        (MODEL, Layout(gpus=4), {"lora": ADAPTERS}),
+        (MODEL, Layout(gpus=4, zero=1), {"lora": ADAPTERS, "grad_checkpointing": "full"}),
+        (MODEL, Layout(gpus=2, tp=2), {"grad_checkpointing": "full"}),
+        pytest.param(MODEL, Layout(gpus=4, tp=2, zero=3), {}, marks=pytest.mark.slow),
+        pytest.param(MODEL, Layout(gpus=4, zero=2), {"grad_accum": 2}, marks=pytest.mark.slow),
+        pytest.param(LOGITS_MODEL, Layout(gpus=4, zero=2), {"grad_accum": 2}, marks=pytest.mark.slow),
     ],
-    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value)[:40],
 )
-def test_custom_model_matches_the_runtimes(layout, options):
+def test_custom_model_matches_the_runtimes(model, layout, options):
     """The model's own tensor-parallel plan (torchtitan's) is applied by DTensor before checkpointing wraps
-    the blocks, as torchtitan orders them."""
+    the blocks, as torchtitan orders them. Without tensor parallelism the bytes must be equal, not close: FSDP's
+    post-forward frees the last block's all-gather buffer before the loop's loss, and holding it to the loss
+    overstated the peak by under 1% here (0.4 GiB for Llama 3.1 8B in bf16). DTensor's runs hold 4 bytes more."""
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
-    runtime = runtime_peak(MODEL, setup, layout, Rank())
-    prepared = prepare(layout, setup, MODEL.config)
-    step = prepared.rank_step(build_graph(trace_step(MODEL, prepared.traced)), Rank())
+    runtime = runtime_peak(model, setup, layout, Rank())
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
     estimate = find_peak(timeline(step, rounded=False)).bytes
-    assert abs(estimate - runtime) / runtime <= RUNTIME_TOLERANCE, (estimate, runtime)
+    tolerance = RUNTIME_TOLERANCE if layout.tp > 1 else 0
+    assert abs(estimate - runtime) / runtime <= tolerance, (estimate, runtime)
 
 
 def test_custom_model_report_names_its_step_and_splits_its_blocks():

@@ -16,6 +16,10 @@ from torch.nn.modules.module import register_module_forward_hook, register_modul
 from tracer.trace import ModelStructure
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+# The module path of forward ops the loop runs outside the model (a custom model's loss, accelerate's fp32 copies
+# of the outputs), and of their backward: not the model's own top level (""). Hooks on the model (FSDP's
+# post-forward, and its pre-backward on the model's outputs) run before them in forward and after them in backward.
+LOOP = "(the loop, outside the model)"
 
 
 class ModuleScope:
@@ -34,6 +38,9 @@ class ModuleScope:
         self._block_of: dict[str, int | None] = {}
         self._last_block: int | None = None
         self._previous_backward = ""
+        # In the step's forward and backward, an op outside every module and every autograd node is the loop's (its
+        # loss, the seed gradient of loss.backward()); in the optimizer step every op is.
+        self.in_pass = False
 
     def __enter__(self) -> ModuleScope:
         self._handles = [
@@ -66,6 +73,9 @@ class ModuleScope:
             return name
         node = torch._C._current_autograd_node()
         if node is None:
+            if self.in_pass:  # the loop's own op: the autograd node it makes is the loop's in backward too
+                self._module_of_node.setdefault(torch._C._autograd._get_sequence_nr() - 1, LOOP)
+                return LOOP
             return ""
         if node.name() == ACCUMULATE_GRAD:
             name = self._param_owner.get(id(node.variable))

@@ -43,6 +43,7 @@ class StepRecorder(TorchDispatchMode):
         self.device_type = device_type
         self.listener = listener
         self.phase = Phase.FORWARD
+        scope.in_pass = True
         self.ops: list[Op] = []
         self.storages: dict[int, Storage] = {}
         self._live: dict[int, int] = {}  # StorageImpl address -> storage id, for storages alive now
@@ -104,6 +105,7 @@ class StepRecorder(TorchDispatchMode):
                     storage = self._storage_of(param.grad, created_at=len(self.ops) - 1)
                     storage.role, storage.param = Role.GRADIENT, name
         self.phase = phase
+        self.scope.in_pass = phase in (Phase.FORWARD, Phase.BACKWARD)
 
     @contextmanager
     def recording(self) -> Iterator[StepRecorder]:
