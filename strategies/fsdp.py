@@ -40,6 +40,12 @@ from tracer.training import TrainingSetup
 
 ROOT = ""
 FLOAT32_BYTES = element_size("float32")
+# FSDP2's side streams, whose blocks the caching allocator pools apart from the compute stream's
+# (_fsdp_collectives.py): foreach_all_gather allocates the parameters' all-gather inputs and the flat output under
+# ``all_gather_copy_in_stream``; foreach_reduce allocates the reduce-scatter output, the sharded gradients, under
+# ``reduce_scatter_stream``. The unsharded parameters and the reduce-scatter input come from the compute stream.
+ALL_GATHER_STREAM = "FSDP all_gather_copy_in_stream"
+REDUCE_SCATTER_STREAM = "FSDP reduce_scatter_stream"
 
 
 @dataclass(frozen=True)
@@ -221,17 +227,22 @@ class _Fsdp:
         if self.plan.offload:  # each shard is copied to the device first (FSDPParam.all_gather_inputs)
             copied = sum(self.shards[n].padded_shard_numel * self.master(n) for n in names)
             name = f"shards from host {unit or 'root'}"
-            self.rw.add(copied, Role.COMMUNICATION, point, point, name, self.master_dtype(names))
+            self.rw.add(
+                copied, Role.COMMUNICATION, point, point, name, self.master_dtype(names), stream=ALL_GATHER_STREAM
+            )
             phase = self.step.ops[point.original].phase
             what = f"parameter shards of {unit or 'the root'}"
             self.rw.transfers.append(Transfer(phase, HOST_TO_DEVICE, copied, what, f"{phase.value} (prefetch)"))
         if self.plan.mixed_precision:  # local shards copied into one flat buffer of the compute dtype
             copy_in = sum(self.shards[n].padded_shard_numel * self.compute[n] for n in names)
             name = f"all-gather input {unit or 'root'}"
-            self.rw.add(copy_in, Role.COMMUNICATION, point, point, name, self.compute_dtype(names))
+            dtype = self.compute_dtype(names)
+            self.rw.add(copy_in, Role.COMMUNICATION, point, point, name, dtype, stream=ALL_GATHER_STREAM)
         size = sum(self.shards[n].padded_numel * self.compute[n] for n in names)
         name = f"all-gather {unit or 'root'}"
-        buffer = self.rw.add(size, Role.COMMUNICATION, point, None, name, self.compute_dtype(names))
+        buffer = self.rw.add(
+            size, Role.COMMUNICATION, point, None, name, self.compute_dtype(names), stream=ALL_GATHER_STREAM
+        )
         return _Gather(point, buffer)
 
     def copy_out(self, unit: str, first: Point, last: Point | None) -> list[int]:
@@ -272,7 +283,9 @@ class _Fsdp:
                 if row.producer in passes:
                     rw.retime(row.id, last=reduce_in)
             name = f"reduce-scatter output {unit or 'root'}"
-            rw.add(sharded_bytes, Role.GRADIENT, reduce_out, reduce_out, name, reduce_dtype)
+            rw.add(
+                sharded_bytes, Role.GRADIENT, reduce_out, reduce_out, name, reduce_dtype, stream=REDUCE_SCATTER_STREAM
+            )
             if self.plan.offload:
                 what = f"sharded gradients of {unit or 'the root'}"
                 rw.transfers.append(Transfer(Phase.BACKWARD, DEVICE_TO_HOST, sharded_bytes, what, ""))
@@ -281,8 +294,9 @@ class _Fsdp:
         for row in self.grads[unit]:
             rw.retime(row.id, last=reduce_in)
         kept_until = None if zero_grad is None else Point(zero_grad, 0)
+        name = f"sharded gradients {unit or 'root'}"
         sharded = rw.add(
-            sharded_bytes, Role.GRADIENT, reduce_out, kept_until, f"sharded gradients {unit or 'root'}", reduce_dtype
+            sharded_bytes, Role.GRADIENT, reduce_out, kept_until, name, reduce_dtype, stream=REDUCE_SCATTER_STREAM
         )
         if self.plan.offload:  # copied to the host as soon as reduced (foreach_reduce), freed on the device
             to_host = rw.after(last, "fsdp.gradients_to_host", unit, Phase.BACKWARD)

@@ -31,6 +31,9 @@ class StorageRow:
     on_device: bool
     name: str
     param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
+    # The CUDA stream a runtime allocates it on ("": the compute stream). The caching allocator keeps a freed
+    # block for allocations on the stream it was allocated on, so each stream's blocks form a pool of their own.
+    stream: str = ""
 
     @property
     def numel(self) -> int:
