@@ -20,6 +20,7 @@ import transformers
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from runtimes import runtime_peak
 from tiny_models import tiny_model
@@ -80,11 +81,37 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         (Layout(gpus=4, tp=2, zero=3), {"grad_accum": 2}),
     ):
         found.append(("llama", layout, Rank(), BACKWARD_PEAK, options))
+    for rank in range(4):  # ZeroRedundancyOptimizer partitions the adapters alone
+        found.append(("llama", Layout(gpus=4, zero=1), Rank(dp=rank), BACKWARD_PEAK, {"lora": adapters}))
+    titan_adapters = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
+    for layout, overrides, options in (
+        (Layout(gpus=4, zero=3), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=3), {}, {"mixed_precision": "bf16", "grad_checkpointing": "op"}),
+        (Layout(gpus=4, zero=3), {"vocab_size": 4096}, {}),
+        (Layout(gpus=4, zero=2), {}, {"grad_accum": 2}),
+        (Layout(gpus=4, zero=1), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),
+        (Layout(gpus=2, tp=2), {}, {"grad_checkpointing": "full"}),
+        (Layout(gpus=4, tp=2, zero=3), {}, {}),
+    ):
+        found.append((CUSTOM, layout, Rank(), overrides, options))
     return found
 
 
+# examples/custom_module.py's torchtitan-style Llama, four blocks, vocabulary 32 (a CustomModel, not a transformers id)
+CUSTOM = "titan-llama (custom)"
+
+
+def _model(family: str, overrides: dict):
+    if family != CUSTOM:
+        return tiny_model(family, **overrides)
+    from custom_module import LlamaArgs, titan_llama
+
+    shape = {"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 32, "ffn_dim": 128} | overrides
+    return titan_llama(LlamaArgs(max_seq_len=64, **shape))
+
+
 def estimate(family: str, layout: Layout, rank: Rank, overrides: dict, setup: TrainingSetup) -> int:
-    model = tiny_model(family, **overrides)
+    model = _model(family, overrides)
     prepared = prepare(layout, setup, model.config)
     step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), rank)
     return find_peak(timeline(step, rounded=False)).bytes
@@ -98,7 +125,7 @@ def main() -> None:
     rows, errors, start = [], [], time.time()
     for family, layout, rank, overrides, options in cases():
         setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
-        runtime = runtime_peak(tiny_model(family, **overrides), setup, layout, rank)
+        runtime = runtime_peak(_model(family, overrides), setup, layout, rank)
         predicted = estimate(family, layout, rank, overrides, setup)
         error = (predicted - runtime) / runtime
         errors.append(abs(error))
