@@ -1,0 +1,154 @@
+"""``serve --engine vllm`` against published vLLM start-up logs: the weights each rank loads, the profile run's
+activation peak, the KV-cache memory and its size in tokens, case by case, with the error of each.
+
+    python -m benchmarks.vllm_published [--markdown]
+
+The logs: llm-d-incubation/llm-d-planner committed full ``vllm serve`` pod logs of vLLM 0.19.0 on H100 80GB HBM3 at
+``VLLM_LOGGING_LEVEL=DEBUG`` (PR #205, commit d3121e0 "Add logs", 2026-04-22; removed again in 2489dbb), which
+print, per worker, "Model loading took", "torch peak memory increase", "non-torch forward increase memory",
+"Available KV cache memory" and "GPU KV cache size". Each case runs with what its log's "non-default args" line
+passed (``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``) and vLLM 0.19's defaults
+on an H100 (``max_num_seqs`` 1024, ``max_num_batched_tokens`` 8192, as the log's engine config states), on the
+79.19 GiB the log's memory snapshot reports. The non-torch memory (NCCL, cuBLAS, custom all-reduce) is not
+predicted: as a user would, each case passes its log's figure to ``--non-torch-memory``. No other number is taken
+from the logs, and nothing is fitted to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from analysis.vllm import VllmSetup, vllm_startup
+from tracer.resolve import resolve_model
+from tracer.units import GIB
+
+LOGS = (
+    "https://github.com/llm-d-incubation/llm-d-planner/blob/d3121e059da88662db39a926a3ead964be97359b/"
+    "accuracy/results/v0.19.0/logs/"
+)
+TOTAL_MEMORY_GIB = 79.19  # "worker init memory snapshot: ... total_memory=79.19GiB" (every log, H100 80GB HBM3)
+UTILIZATION = 0.95  # --gpu-memory-utilization in every case's "non-default args"
+MAX_NUM_SEQS = 1024  # vLLM 0.19's default on an H100, as each log's engine config prints it
+MAX_NUM_BATCHED_TOKENS = 8192  # "Chunked prefill is enabled with max_num_batched_tokens=8192."
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One start-up log: what was run, and the figures it printed (GiB as printed, tokens exactly)."""
+
+    log: str  # file name under LOGS
+    model: str  # the bundled config of the served checkpoint (its -Instruct/-it sibling: same architecture)
+    served: str  # the checkpoint vLLM served
+    tp: int
+    max_model_len: int
+    kv_cache_dtype: str
+    non_torch: float  # "non-torch forward increase memory", the one figure given as input
+    weights: float  # "Model loading took" / "weights memory"
+    activation: float  # "torch peak memory increase"
+    kv: float  # "Available KV cache memory"
+    tokens: int  # "GPU KV cache size: N tokens"
+    kind: str
+
+
+def _case(log: str, model: str, served: str, kind: str, tp: int = 1, max_model_len: int = 8192, **logged) -> Logged:
+    return Logged(log, model, served, tp, max_model_len, logged.pop("kv_cache_dtype", "auto"), kind=kind, **logged)
+
+
+LLAMA_8B, QWEN_7B = "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"
+CASES = [
+    _case("meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
+          "dense", non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016),
+    _case("meta-llama-llama-3-1-8b--h100-80gb--tp1pp1dp1--32768.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
+          "dense", max_model_len=32768, non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016),
+    _case("meta-llama-llama-3-1-8b---h100-80gb--tp2pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
+          "dense", tp=2, non_torch=2.07, weights=7.51, activation=1.89, kv=63.76, tokens=1044688),
+    _case("meta-llama-llama-3-1-8b---h100-80gb--tp4pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
+          "dense", tp=4, non_torch=2.13, weights=3.77, activation=1.89, kv=67.44, tokens=2209792),
+    _case("meta-llama---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
+          "dense, fp8 KV cache", kv_cache_dtype="fp8", non_torch=0.25, weights=14.99, activation=1.89, kv=58.11,
+          tokens=952032),
+    _case("qwen-qwen2-5-7b-instruct--h100-80gb--tp1pp1dp1--8192.log", QWEN_7B, "Qwen/Qwen2.5-7B-Instruct",
+          "dense", non_torch=0.24, weights=14.25, activation=2.21, kv=58.53, tokens=1096000),
+    _case("qwen-qwen2---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log", QWEN_7B, "Qwen/Qwen2.5-7B-Instruct",
+          "dense, fp8 KV cache", kv_cache_dtype="fp8", non_torch=0.24, weights=14.25, activation=2.21, kv=58.53,
+          tokens=2192000),
+    _case("qwen-qwen3-8b--h100-80gb--tp1pp1dp1--8192.log", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B",
+          "dense", non_torch=0.25, weights=15.27, activation=2.21, kv=57.5, tokens=418688),
+    _case("qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192.log", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct",
+          "dense", tp=2, non_torch=2.09, weights=67.8, activation=2.29, kv=3.04, tokens=19920),
+    _case("mistralai-mixtral-8x7b-i--h100-80gb--tp2pp1dp1--8192.log", "mistralai/Mixtral-8x7B-v0.1",
+          "mistralai/Mixtral-8x7B-Instruct-v0.1", "MoE", tp=2, non_torch=2.07, weights=43.51, activation=1.21,
+          kv=28.44, tokens=465936),
+    _case("qwen-qwen3-30b-a3b--h100-80gb--tp1pp1dp1--8192.log", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B",
+          "MoE", non_torch=0.27, weights=56.88, activation=2.68, kv=15.41, tokens=168288),
+    _case("google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-2-9b", "google/gemma-2-9b-it",
+          "sliding window (hybrid)", non_torch=0.25, weights=17.22, activation=3.65, kv=54.12, tokens=168880),
+    _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+          "meta-llama/Llama-4-Scout-17B-16E-Instruct", "MoE, chunked local attention (hybrid)", tp=4, non_torch=2.17,
+          weights=53.12, activation=3.19, kv=16.75, tokens=365968),
+]  # fmt: skip
+NOT_REPRODUCED = [
+    ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log", "pipeline parallelism is not modelled by serve"),
+    ("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log, openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log",
+     "quantized checkpoints (FP8, MXFP4) are refused by serve"),
+    ("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log, moonshotai-kimi-vl-a3b-i--h100-80gb--tp2pp1dp1--8192"
+     ".log", "MLA models whose config.json is not bundled (DeepSeek-V2-Lite, Kimi-VL); no official copy was found"),
+    ("mistralai-mistral-small---h100-80gb--tp1pp1dp1--8192.log, google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log",
+     "configs not bundled (Mistral Small 3.1, Gemma 3 27B)"),
+]  # fmt: skip
+
+
+def estimate(case: Logged):
+    setup = VllmSetup(
+        gpu_memory_bytes=int(TOTAL_MEMORY_GIB * GIB),
+        gpu_memory_utilization=UTILIZATION,
+        tensor_parallel_size=case.tp,
+        max_model_len=case.max_model_len,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        kv_cache_dtype=case.kv_cache_dtype,
+        non_torch_bytes=int(case.non_torch * GIB),
+    )
+    return vllm_startup(resolve_model(case.model).config, setup)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
+    args = parser.parse_args()
+    rows, errors = [], []
+    for case in CASES:
+        startup = estimate(case)
+        error = (startup.kv_cache_tokens - case.tokens) / case.tokens
+        errors.append(abs(error))
+        rows.append(
+            (
+                case.served,
+                case.kind,
+                case.tp,
+                case.max_model_len,
+                f"{case.weights:.2f} / {startup.weights.total / GIB:.2f}",
+                f"{case.activation:.2f} / {startup.activation_peak_bytes / GIB:.2f}",
+                f"{case.kv:.2f} / {startup.kv_cache_bytes / GIB:.2f}",
+                f"{case.tokens:,} / {startup.kv_cache_tokens:,}",
+                f"{100 * error:+.2f}%",
+            )
+        )
+    headers = ["served", "kind", "TP", "max len", "weights GiB", "activation GiB", "KV GiB", "KV tokens", "error"]
+    print("logged / estimated; vLLM 0.19.0, H100 80GB HBM3, --gpu-memory-utilization 0.95 (logs: " + LOGS + ")\n")
+    print(tabulate(rows, headers, tablefmt="github" if args.markdown else "simple", disable_numparse=True))
+    print(
+        f"\n{len(rows)} cases: KV tokens median |error| {100 * statistics.median(errors):.2f}%, "
+        f"max {100 * max(errors):.2f}%, {sum(e <= 0.05 for e in errors)} within 5%"
+    )
+    print("\nNot reproduced:")
+    for log, why in NOT_REPRODUCED:
+        print(f"  {log}: {why}")
+
+
+if __name__ == "__main__":
+    main()
