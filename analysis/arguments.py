@@ -431,6 +431,7 @@ def _add_variant_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     from strategies.layout import ENGINES, OFFLOADS, TP_OUTPUTS, ZERO_STAGES
+    from strategies.pipeline import SCHEDULES as PP_SCHEDULES
 
     group = parser.add_argument_group(
         "parallel layout", "Estimate the memory of each GPU of a multi-GPU run. Default: one GPU."
@@ -444,6 +445,27 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel degree: Megatron-style column/row-parallel attention and MLP, vocabulary-parallel "
         "embedding and lm_head; must divide --gpus and the attention heads (default 1); the data-parallel "
         "degree is gpus / tp",
+    )
+    group.add_argument(
+        "--pp",
+        type=count(),
+        default=1,
+        help="pipeline stages (torch.distributed.pipelining): the decoder layers split contiguously, the first "
+        "stage also holding the embedding, the last the final norm, the output layer and the loss; every stage "
+        "is reported; for now --gpus must equal --pp (default 1)",
+    )
+    group.add_argument(
+        "--pp-schedule",
+        choices=PP_SCHEDULES,
+        default="1f1b",
+        help="with --pp: gpipe runs every microbatch's forward, then every backward; 1f1b keeps at most "
+        "(stages - stage) microbatches in flight (default 1f1b)",
+    )
+    group.add_argument(
+        "--microbatches",
+        type=count(),
+        default=None,
+        help="with --pp: microbatches of --batch-size per optimizer step (default: one per stage)",
     )
     group.add_argument(
         "--zero",
@@ -578,6 +600,9 @@ def layout_of(args: argparse.Namespace):
     return Layout(
         gpus=args.gpus,
         tp=args.tp,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        microbatches=args.microbatches,
         zero=args.zero,
         engine=args.engine,
         sequence_parallel=args.sequence_parallel,

@@ -89,7 +89,12 @@ class MemoryReport:
         return {
             "kind": self.kind,
             "model": self.model_id,
-            "rank": {"global": self.rank.global_rank(self.layout), "dp": self.rank.dp, "tp": self.rank.tp},
+            "rank": {
+                "global": self.rank.global_rank(self.layout),
+                "dp": self.rank.dp,
+                "tp": self.rank.tp,
+                "pp_stage": self.rank.pp,
+            },
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
@@ -213,6 +218,7 @@ def _ranks_table(report: MemoryReport) -> str:
     rows = [
         (
             r.rank.global_rank(report.layout),
+            r.rank.pp,
             r.rank.dp,
             r.rank.tp,
             format_bytes(r.peak_bytes),
@@ -221,8 +227,8 @@ def _ranks_table(report: MemoryReport) -> str:
         )
         for r in report.ranks
     ]
-    headers = ["rank", "dp", "tp", "peak", "phase", *(role.value for role in categories)]
-    return tabulate(rows, headers=headers, colalign=("right", "right", "right"))
+    headers = ["rank", "pp stage", "dp", "tp", "peak", "phase", *(role.value for role in categories)]
+    return tabulate(rows, headers=headers, colalign=("right", "right", "right", "right"))
 
 
 def render_text(report: MemoryReport, verdict: str | None = None) -> str:

@@ -83,6 +83,17 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         found.append(("llama", layout, Rank(), BACKWARD_PEAK, options))
     for rank in range(4):  # ZeroRedundancyOptimizer partitions the adapters alone
         found.append(("llama", Layout(gpus=4, zero=1), Rank(dp=rank), BACKWARD_PEAK, {"lora": adapters}))
+    for stages, schedule, microbatches, options in (
+        (2, "1f1b", 4, {}),
+        (4, "1f1b", 8, {}),
+        (4, "gpipe", 4, {}),
+        (3, "gpipe", 2, {}),
+        (4, "gpipe", 4, {"lora": adapters, "grad_checkpointing": "full"}),
+        (2, "1f1b", 4, {"dtype": "bf16", "quantize": "nf4", "lora": adapters}),
+    ):
+        layout = Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches)
+        for stage in range(stages):
+            found.append(("llama", layout, Rank(pp=stage), {"num_hidden_layers": 8, "vocab_size": 32}, options))
     titan_adapters = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
     for layout, overrides, options in (
         (Layout(gpus=4, zero=3), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),
@@ -131,7 +142,7 @@ def main() -> None:
         errors.append(abs(error))
         shown = overrides | options | ({"lora": f"r{options['lora'].r}"} if "lora" in options else {})
         options_text = ", ".join(f"{k}={v}" for k, v in shown.items() if k != "num_key_value_heads")
-        where = f"dp {rank.dp}, tp {rank.tp}"
+        where = f"dp {rank.dp}, tp {rank.tp}" + (f", stage {rank.pp}" if layout.pp > 1 else "")
         rows.append((layout.describe(), family, where, options_text, runtime, predicted, f"{100 * error:+.3f}%"))
     headers = ["layout", "model", "rank", "config", "runtime bytes", "estimate bytes", "error"]
     print(tabulate(rows, headers=headers, tablefmt="github" if args.markdown else "simple"))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
+from strategies.pipeline import SCHEDULES, PipelineParallel
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.errors import UserError
@@ -32,12 +33,16 @@ OFFLOADS = ("optimizer", "optimizer,params")
 
 @dataclass(frozen=True)
 class Layout:
-    """``gpus`` = ``tp`` x data-parallel degree. ``zero`` is the ZeRO stage over the data-parallel group (0 is
-    plain DDP). ``engine`` picks whose runtime is modelled: PyTorch (DDP for 0, DDP with
-    ZeroRedundancyOptimizer for 1, FSDP2 for 2 and 3) or DeepSpeed."""
+    """``gpus`` = ``pp`` x ``tp`` x data-parallel degree. ``zero`` is the ZeRO stage over the data-parallel group
+    (0 is plain DDP). ``engine`` picks whose runtime is modelled: PyTorch (DDP for 0, DDP with
+    ZeroRedundancyOptimizer for 1, FSDP2 for 2 and 3) or DeepSpeed. ``pp`` pipeline stages run ``microbatches``
+    microbatches of the batch size per step under ``pp_schedule`` (torch.distributed.pipelining)."""
 
     gpus: int = 1
     tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None  # None: as many as stages
     zero: int = 0
     engine: str = "fsdp"
     sequence_parallel: bool = False
@@ -50,8 +55,13 @@ class Layout:
             raise UserError(f"--gpus must be at least 1 (got {self.gpus}).")
         if self.tp < 1:
             raise UserError(f"--tp must be at least 1 (got {self.tp}).")
-        if self.gpus % self.tp:
-            raise UserError(f"--tp {self.tp} must divide --gpus {self.gpus} (the data-parallel degree is gpus / tp).")
+        if self.pp < 1:
+            raise UserError(f"--pp must be at least 1 (got {self.pp}).")
+        if self.gpus % (self.tp * self.pp):
+            split = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp}"
+            degree = "gpus / tp" if self.pp == 1 else "gpus / (tp x pp)"
+            raise UserError(f"{split} must divide --gpus {self.gpus} (the data-parallel degree is {degree}).")
+        self._check_pipeline()
         if self.zero not in ZERO_STAGES:
             raise UserError(f"--zero must be 0, 1, 2 or 3 (got {self.zero}).")
         if self.engine not in ENGINES:
@@ -75,6 +85,29 @@ class Layout:
         if self.tp == 1 and (self.sequence_parallel or self.tp_output != "parallel"):
             raise UserError("--sequence-parallel and --tp-output apply to tensor parallelism: add --tp 2 or more.")
 
+    def _check_pipeline(self) -> None:
+        if self.pp_schedule not in SCHEDULES:
+            raise UserError(
+                f"--pp-schedule {self.pp_schedule!r} is not modelled: use one of {', '.join(SCHEDULES)} (interleaved "
+                "1F1B and zero-bubble schedules are not modelled yet)."
+            )
+        if self.microbatches is not None and self.microbatches < 1:
+            raise UserError(f"--microbatches must be at least 1 (got {self.microbatches}).")
+        if self.pp_schedule == "1f1b" and self.pp > 1 and self.stage_microbatches < self.pp:
+            raise UserError(
+                f"--pp-schedule 1f1b needs at least as many microbatches as stages (Schedule1F1B refuses fewer): "
+                f"--microbatches {self.pp} or more, or --pp-schedule gpipe."
+            )
+        if self.pp == 1:
+            if self.microbatches is not None or self.pp_schedule != "1f1b":
+                raise UserError("--microbatches and --pp-schedule apply to pipeline parallelism: add --pp 2 or more.")
+            return
+        if self.gpus != self.pp:
+            raise UserError(
+                "Pipeline parallelism is modelled on its own for now (--gpus equal to --pp): its composition with "
+                "tensor and data parallelism is not modelled yet."
+            )
+
     def _check_offload(self) -> None:
         if self.offload not in OFFLOADS:
             raise UserError(f"--offload must be optimizer or optimizer,params (got {self.offload!r}).")
@@ -92,7 +125,12 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def stage_microbatches(self) -> int:
+        """Microbatches per pipeline step: as given, else one per stage."""
+        return self.microbatches or self.pp
 
     @property
     def plain(self) -> bool:
@@ -104,6 +142,8 @@ class Layout:
         if self.plain:
             return "1 GPU"
         parts = []
+        if self.pp > 1:
+            parts.append(f"pipeline parallel {self.pp} ({self.pp_schedule}, {self.stage_microbatches} microbatches)")
         if self.tp > 1:
             sequence = " with sequence parallelism" if self.sequence_parallel else ""
             gathered = ", gathered logits" if self.tp_output == "gathered" else ""
@@ -119,13 +159,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class Rank:
-    """A rank of the layout, by its coordinates in the data- and tensor-parallel groups."""
+    """A rank of the layout, by its coordinates in the data- and tensor-parallel groups and its pipeline stage."""
 
     dp: int = 0
     tp: int = 0
+    pp: int = 0
 
     def global_rank(self, layout: Layout) -> int:
-        return self.dp * layout.tp + self.tp
+        return (self.pp * layout.dp + self.dp) * layout.tp + self.tp
 
 
 class DataParallel(Protocol):
@@ -173,16 +214,21 @@ class PreparedLayout:
     traced: TrainingSetup
     tensor: TensorParallel | None = None
     data: DataParallel | None = None
+    pipeline: PipelineParallel | None = None
     assumptions: dict[str, str] = field(default_factory=dict)  # what the runtimes assume, for the report
 
     def ranks(self, step: StepGraph) -> list[Rank]:
         """Ranks whose memory can differ, from the traced step."""
+        stages = range(self.pipeline.stages) if self.pipeline else [0]
         tensor = self.tensor.distinct_ranks(step) if self.tensor else [0]
         data = self.data.distinct_ranks(step) if self.data else [0]
-        return [Rank(dp=d, tp=t) for d in data for t in tensor]
+        return [Rank(dp=d, tp=t, pp=p) for p in stages for d in data for t in tensor]
 
     def rank_step(self, step: StepGraph, rank: Rank) -> StepGraph:
-        """The step of ``rank``: the traced step transformed by the layout, tensor parallelism first."""
+        """The step of ``rank``: the traced step transformed by the layout, its pipeline stage first, then
+        tensor parallelism."""
+        if self.pipeline is not None:
+            step = self.pipeline.apply(step, rank.pp)
         if self.tensor is not None:
             step = self.tensor.apply(step, self.setup, rank.tp)
         if self.data is not None:
@@ -228,13 +274,21 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
             f"--sequence-parallel splits the sequence over the {layout.tp} tensor-parallel GPUs: --seq-len "
             f"{setup.seq_len} must be a multiple of --tp {layout.tp}."
         )
+    pipeline = None
+    if layout.pp > 1:
+        pipeline = PipelineParallel(layout.pp, layout.pp_schedule, layout.stage_microbatches)
+        pipeline.check(setup, config)
     data = data_parallel(layout)
     traced, recipe = data.traced_setup(setup) if data is not None else (setup, None)
+    if pipeline is not None:
+        traced = pipeline.traced_setup(traced)
     assumptions = {"mixed_precision_recipe": recipe} if recipe else {}
     if not layout.plain:
         assumptions["layout"] = layout.describe()
+        if pipeline is not None:
+            assumptions["pipeline_parallel"] = pipeline.note
         if tensor is not None:
             assumptions["tensor_parallel"] = tensor.note
         if data is not None:
             assumptions["data_parallel"] = data.note
-    return PreparedLayout(layout, setup, traced, tensor, data, assumptions)
+    return PreparedLayout(layout, setup, traced, tensor, data, pipeline, assumptions)

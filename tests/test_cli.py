@@ -258,6 +258,17 @@ def test_impossible_layouts(tmp_path, capsys, flags, message):
     _assert_user_error(code, err, message)
 
 
+def test_pipeline_json_lists_every_stage(tmp_path, capsys):
+    config = str(_config_file(tmp_path, num_hidden_layers=4))
+    flags = ["--gpus", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "3", "--json"]
+    code, out, _ = _run(capsys, "analyze", config, "--seq-len", "32", *flags)
+    assert code == 0
+    report = json.loads(out)
+    assert report["layout"] | {"pp": 2, "pp_schedule": "gpipe", "microbatches": 3} == report["layout"]
+    assert [rank["rank"]["pp_stage"] for rank in report["ranks"]] == [0, 1]
+    assert report["peak_bytes"] == max(rank["peak_bytes"] for rank in report["ranks"])
+
+
 def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     config = str(_config_file(tmp_path, "gpt2", vocab_size=250))  # 250 rows do not split evenly over 8
     code, out, _ = _run(capsys, "analyze", config, "--seq-len", "17", "--gpus", "8", "--zero", "3", "--json")

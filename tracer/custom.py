@@ -30,7 +30,7 @@ _TRANSFORMERS_ONLY = {
     "--mode inference (generate() is transformers')": lambda setup: setup.mode == "inference",
     "--keep-outputs": lambda setup: setup.keep_outputs,
     "--accelerate-prepared": lambda setup: setup.accelerate_prepared,
-    "--use-cache": lambda setup: setup.use_cache is not None,
+    "--use-cache on": lambda setup: setup.use_cache,
 }
 
 

@@ -1,0 +1,91 @@
+"""Pipeline parallelism (strategies/pipeline.py): each stage's step, built from the one traced step, against
+torch.distributed.pipelining itself run for that stage (tests/pipeline_runtime.py). Eight layers and a vocabulary
+of 32 put the peak in backward, where the microbatches in flight, the gradients and the receive buffers live."""
+
+from __future__ import annotations
+
+import pytest
+from pipeline_runtime import pipeline_peak
+from tiny_models import tiny_model
+
+from analysis.estimate import analyze
+from analysis.peak import find_peak, timeline
+from strategies.layout import Layout, Rank, prepare
+from tracer.errors import UserError
+from tracer.graph import build_graph
+from tracer.tracing import trace_step
+from tracer.training import LoraSetup, Target, TrainingSetup
+
+TOLERANCE = 0.01  # as tests/test_strategy_*.py
+MODEL = tiny_model("llama", num_hidden_layers=8, vocab_size=32)
+ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
+SLOW = pytest.mark.slow
+
+
+def _check(stages: int, schedule: str, microbatches: int, only: tuple[int, ...] | None = None, **options) -> None:
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
+    layout = Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches)
+    prepared = prepare(layout, setup, MODEL.config)
+    traced = build_graph(trace_step(MODEL, prepared.traced))
+    for stage in only or range(stages):
+        estimate = find_peak(timeline(prepared.rank_step(traced, Rank(pp=stage)), rounded=False)).bytes
+        runtime = pipeline_peak(MODEL, setup, stages, stage, schedule, microbatches)
+        assert abs(estimate - runtime) / runtime <= TOLERANCE, (stage, estimate, runtime)
+
+
+@pytest.mark.parametrize(
+    ("stages", "schedule", "microbatches"),
+    [
+        (2, "1f1b", 4),
+        (4, "gpipe", 4),
+        pytest.param(2, "gpipe", 4, marks=SLOW),
+        pytest.param(4, "1f1b", 4, marks=SLOW),
+        pytest.param(4, "1f1b", 8, marks=SLOW),
+        pytest.param(3, "1f1b", 3, marks=SLOW),  # uneven layers
+        pytest.param(4, "gpipe", 2, marks=SLOW),  # fewer microbatches than stages
+    ],
+)
+def test_every_stage_matches_torch_pipelining(stages, schedule, microbatches):
+    _check(stages, schedule, microbatches)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"lora": ADAPTERS, "grad_checkpointing": "full"},
+        pytest.param({"dtype": "bf16"}, marks=SLOW),
+        pytest.param({"grad_checkpointing": "full", "reentrant": True}, marks=SLOW),
+        pytest.param({"optimizer": "sgd", "grad_checkpointing": "selective"}, marks=SLOW),
+        pytest.param({"dtype": "bf16", "quantize": "nf4", "lora": ADAPTERS}, marks=SLOW),
+    ],
+    ids=str,
+)
+def test_stages_compose_with_the_variants(options):
+    """LoRA on a frozen embedding (whose output checkpointing makes a leaf that requires grad), checkpointing,
+    bf16 weights, QLoRA: each stage runs only its own layers' variant."""
+    _check(4, "gpipe", 4, **options)
+    _check(2, "1f1b", 4, **options)
+
+
+def test_report_lists_every_stage():
+    setup = TrainingSetup(batch_size=2, seq_len=32, mixed_precision="bf16")
+    report = analyze(MODEL, setup, Layout(gpus=4, pp=4, microbatches=8))
+    assert [rank.rank.pp for rank in report.ranks] == [0, 1, 2, 3]
+    assert report.peak_bytes == max(rank.peak_bytes for rank in report.ranks)
+    assert "pipeline parallel 4 (1f1b, 8 microbatches)" in report.assumptions["layout"]
+
+
+@pytest.mark.parametrize(
+    ("layout", "options", "message"),
+    [
+        ({"gpus": 16, "pp": 16}, {}, "more stages than the model's 8 decoder layers"),
+        ({"gpus": 8, "pp": 4, "tp": 2}, {}, "modelled on its own for now"),
+        ({"gpus": 2, "pp": 2}, {"grad_accum": 2}, "give --microbatches 4 instead"),
+        ({"gpus": 2, "microbatches": 4}, {}, "add --pp 2 or more"),
+        ({"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}, {}, "interleaved 1F1B and zero-bubble"),
+        ({"gpus": 4, "pp": 4, "microbatches": 2}, {}, "1f1b needs at least as many microbatches as stages"),
+    ],
+)
+def test_pipeline_refusals_name_the_fix(layout, options, message):
+    with pytest.raises(UserError, match=message):
+        prepare(Layout(**layout), TrainingSetup(**options), MODEL.config)
