@@ -109,17 +109,20 @@ class PipelineParallel:
         if setup.keep_outputs or setup.accelerate_prepared:
             raise UserError("--keep-outputs and --accelerate-prepared are loops of one model, not a pipeline's.")
         layers = getattr(config, "num_hidden_layers", None)
-        if layers is not None and self.stages > layers:
-            raise UserError(f"--pp {self.stages}: more stages than the model's {layers} decoder layers.")
+        if layers is not None:  # a custom model's layers are counted when its traced step is split
+            self._check_layers(layers)
 
     def traced_setup(self, setup: TrainingSetup) -> TrainingSetup:
         """Two micro-steps: the first microbatch's passes, and any other's. A stage's forward keeps no key/value
         cache."""
         return dataclasses.replace(setup, grad_accum=2, use_cache=False)
 
+    def _check_layers(self, layers: int) -> None:
+        if self.stages > layers:
+            raise UserError(f"--pp {self.stages}: more stages than the model's {layers} decoder layers.")
+
     def apply(self, step: StepGraph, stage: int) -> StepGraph:
-        if self.stages > len(step.structure.blocks):
-            raise UserError(f"--pp {self.stages}: more stages than the model's {len(step.structure.blocks)} layers.")
+        self._check_layers(len(step.structure.blocks))
         return pipeline_stage(step, PipelinePlan(self.stages, stage, self.schedule, self.microbatches))
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
 from tracer.modules import decoder_blocks
 from tracer.recorder import StepRecorder
 from tracer.roles import Role
-from tracer.step import Batch, TrainingStep, batch_tensors
+from tracer.step import Batch, TrainingStep, batch_tensors, output_slots
 
 GRAD_SCALER_STATE = ("_scale", "_growth_tracker")
 
@@ -44,13 +43,7 @@ def register_baseline(recorder: StepRecorder, step: TrainingStep, batch: Batch, 
 
 
 def _output_tensors(outputs: ModelOutput, blocks: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors a model's outputs hold: loss and logits, and each cache layer's keys and values, named
-    after the decoder block that made them."""
-    for key, value in outputs.items():
-        if isinstance(value, torch.Tensor):
-            yield key, value
-        elif isinstance(value, Cache):
-            for index, layer in enumerate(value.layers):
-                for attribute, tensor in vars(layer).items():
-                    if isinstance(tensor, torch.Tensor):
-                        yield f"{key} {attribute} of {blocks[index]}", tensor
+    """The tensors a model's outputs hold, a cache layer's named after the decoder block that made them."""
+    for key, index, holder, attribute in output_slots(outputs):
+        name = key if index is None else f"{key} {attribute} of {blocks[index]}"
+        yield name, getattr(holder, attribute)

@@ -216,14 +216,21 @@ def _causal_lm_class(config: PretrainedConfig) -> type:
     return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
 
 
-def _without_graph(outputs: ModelOutput) -> ModelOutput:
-    """The model's outputs with every tensor, the cache's included, detached from the autograd graph."""
+def output_slots(outputs: ModelOutput) -> Iterator[tuple[str, int | None, object, str]]:
+    """Where a model's outputs hold tensors: (field, cache layer index or None, holder, attribute). The fields'
+    own tensors (loss, logits), and each cache layer's keys and values."""
     for key, value in outputs.items():
         if isinstance(value, torch.Tensor):
-            outputs[key] = value.detach()
+            yield key, None, outputs, key
         elif isinstance(value, Cache):
-            for layer in value.layers:
-                for name, tensor in vars(layer).items():
+            for index, layer in enumerate(value.layers):
+                for attribute, tensor in vars(layer).items():
                     if isinstance(tensor, torch.Tensor):
-                        setattr(layer, name, tensor.detach())
+                        yield key, index, layer, attribute
+
+
+def _without_graph(outputs: ModelOutput) -> ModelOutput:
+    """The model's outputs with every tensor, the cache's included, detached from the autograd graph."""
+    for _, _, holder, attribute in output_slots(outputs):
+        setattr(holder, attribute, getattr(holder, attribute).detach())  # ModelOutput keeps its dict in step
     return outputs
