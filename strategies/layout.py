@@ -93,15 +93,15 @@ class Layout:
             )
         if self.microbatches is not None and self.microbatches < 1:
             raise UserError(f"--microbatches must be at least 1 (got {self.microbatches}).")
-        if self.pp_schedule == "1f1b" and self.pp > 1 and self.stage_microbatches < self.pp:
-            raise UserError(
-                f"--pp-schedule 1f1b needs at least as many microbatches as stages (Schedule1F1B refuses fewer): "
-                f"--microbatches {self.pp} or more, or --pp-schedule gpipe."
-            )
         if self.pp == 1:
             if self.microbatches is not None or self.pp_schedule != "1f1b":
                 raise UserError("--microbatches and --pp-schedule apply to pipeline parallelism: add --pp 2 or more.")
             return
+        if self.pp_schedule == "1f1b" and self.stage_microbatches < self.pp:
+            raise UserError(
+                f"--pp-schedule 1f1b needs at least as many microbatches as stages (Schedule1F1B refuses fewer): "
+                f"--microbatches {self.pp} or more, or --pp-schedule gpipe."
+            )
         if self.gpus != self.pp:
             raise UserError(
                 "Pipeline parallelism is modelled on its own for now (--gpus equal to --pp): its composition with "

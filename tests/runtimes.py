@@ -46,13 +46,20 @@ from strategies.tensor_parallel import (
 )
 from tracer.baseline import register_baseline
 from tracer.graph import build_graph
-from tracer.inference import CACHE_KWARG
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import TrainingStep, batch_tensors, build_model, build_optimizer, make_batch, optimizer_recipe
+from tracer.step import (
+    TrainingStep,
+    batch_tensors,
+    build_model,
+    build_optimizer,
+    make_batch,
+    optimizer_recipe,
+    output_slots,
+)
 from tracer.tracing import as_eager
 from tracer.training import TrainingSetup
 
@@ -463,8 +470,4 @@ def accelerate_loop_peak(model: ResolvedModel, setup: TrainingSetup, mixed_preci
 
 def _tensors_of(outputs) -> list[torch.Tensor]:
     """The tensors a model output holds: its fields, and the keys and values of its cache."""
-    tensors = [value for value in outputs.values() if isinstance(value, torch.Tensor)]
-    cache = outputs.get(CACHE_KWARG)
-    for layer in getattr(cache, "layers", []):
-        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-    return tensors
+    return [getattr(holder, attribute) for *_, holder, attribute in output_slots(outputs)]
