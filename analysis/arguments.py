@@ -444,7 +444,7 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="tensor-parallel degree: Megatron-style column/row-parallel attention and MLP, vocabulary-parallel "
         "embedding and lm_head; must divide --gpus and the attention heads (default 1); the data-parallel "
-        "degree is gpus / tp",
+        'degree is gpus / tp. With --mode inference, transformers\' tp_plan="auto" over all --gpus',
     )
     group.add_argument(
         "--pp",

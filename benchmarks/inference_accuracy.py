@@ -1,11 +1,13 @@
 """Inference: estimate vs. ``model.generate()`` itself, run eagerly on CPU, for every architecture family, both
 caches, prefill- and decode-bound generations, and quantized weights.
 
-    python -m benchmarks.inference_accuracy [--markdown] [--weights fp32 ...]
+    python -m benchmarks.inference_accuracy [--markdown] [--weights fp32 ...] [--tp 2]
 
 Both sides run the same CPU kernels: ``analyze --target cpu`` traces on fake tensors; ``measure --target cpu``
 runs ``generate()`` (greedy, no stop token) with real tensors and counts live storages, as in
-``benchmarks.cpu_accuracy``.
+``benchmarks.cpu_accuracy``. With ``--tp N``, rank 0 of transformers' own tensor parallelism: a checkpoint loaded
+with ``from_pretrained(tp_plan="auto", tp_size=N)`` on a fake process group runs ``generate()``, and the CPU
+allocator's allocations are counted (``tests/runtimes.py``), for every family whose TP plan is modelled.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_inference import DECODE_PEAK, PREFILL_PEAK
+from runtimes import transformers_tp_generate_peak
+from test_inference import DECODE_PEAK, PREFILL_PEAK, TP_HEADS
 from tiny_models import FAMILIES, tiny_model
 
 from analysis.estimate import analyze
 from analysis.measure import measure
+from strategies.layout import Layout
+from tracer.errors import UserError
 from tracer.training import Target, TrainingSetup
 
 GENERATIONS: dict[str, dict] = {
@@ -46,10 +51,15 @@ def main() -> None:
     parser.add_argument(
         "--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS), help="weight formats to run (default: all)"
     )
+    parser.add_argument(
+        "--tp", type=int, choices=sorted(TP_HEADS), default=1, help="rank 0 of transformers' tensor parallelism"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     rows, errors, start = [], [], time.time()
+    layout = Layout(gpus=args.tp, tp=args.tp)
     for family in FAMILIES:
+        model = tiny_model(family, **TP_HEADS.get(args.tp, {}))
         for cache in ("dynamic", "static"):
             for generation, lengths in GENERATIONS.items():
                 for weights in args.weights:
@@ -57,8 +67,14 @@ def main() -> None:
                     setup = TrainingSetup(
                         target=Target.CPU, mode="inference", batch_size=2, cache=cache, **lengths, **options
                     )
-                    measured = measure(tiny_model(family), setup).peak_bytes
-                    estimate = analyze(tiny_model(family), setup)
+                    try:
+                        estimate = analyze(model, setup, layout)
+                    except UserError:  # no modelled TP plan
+                        continue
+                    if args.tp > 1:
+                        measured = transformers_tp_generate_peak(model, setup, args.tp)
+                    else:
+                        measured = measure(model, setup).peak_bytes
                     error = (estimate.peak_bytes - measured) / measured
                     errors.append(abs(error))
                     predicted, share = estimate.peak_bytes, f"{100 * error:+.3f}%"

@@ -240,11 +240,8 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     """Refuse, before any tracing, a layout this model or step cannot be split into; otherwise the layout's
     runtimes and the step to trace for it. A custom model has no ``config``: its tensor-parallel plan is checked
     against the traced model when the plan is applied."""
-    if setup.mode == "inference" and (not layout.plain or layout.offload):
-        raise UserError(
-            "--mode inference is modelled on one GPU: drop --gpus, --tp, --zero and --offload (a data-parallel "
-            "replica serving its own requests needs what one GPU needs)."
-        )
+    if setup.mode == "inference":
+        return _prepare_inference(layout, setup, config)
     if layout.engine == "deepspeed":
         hidden_size = getattr(config, "hidden_size", None)
         layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(hidden_size))
@@ -292,3 +289,25 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         if data is not None:
             assumptions["data_parallel"] = data.note
     return PreparedLayout(layout, setup, traced, tensor, data, pipeline, assumptions)
+
+
+def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
+    """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
+    if layout.tp != layout.gpus or layout.zero or layout.offload or layout.sequence_parallel:
+        raise UserError(
+            "--mode inference is modelled on one GPU, or tensor parallel over all of them (--gpus N --tp N, "
+            'transformers\' tp_plan="auto"): drop --zero, --offload and --sequence-parallel (a data-parallel replica '
+            "serving its own requests needs what one GPU needs)."
+        )
+    if layout.tp == 1:
+        return PreparedLayout(layout, setup, setup)
+    if setup.quantize:
+        raise UserError(
+            "Quantized weights (--quantize) with tensor parallelism are not modelled: "
+            "transformers' parallel styles shard nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
+        )
+    tensor = TensorParallel.for_inference(layout.tp)
+    if config is not None:
+        tensor.check(config)
+    assumptions = {"layout": f"{layout.gpus} GPUs: tensor parallel {layout.tp}", "tensor_parallel": tensor.note}
+    return PreparedLayout(layout, setup, setup, tensor, assumptions=assumptions)

@@ -19,6 +19,12 @@ of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a 
 and a partial sum from a sliced one; any other op's output is as sliced as its inputs. Gradients,
 optimizer states and optimizer temporaries take the share of their parameter.
 
+Inference (``--mode inference --tp N``) follows transformers' own runtime instead (``from_pretrained(tp_plan="auto",
+tp_size=N)``, transformers 5.24 distributed/tensor_parallel.py): the same styles from the model's plan, the lm_head
+``colwise_gather_output``, but under ``no_grad`` a Linear runs on its local weight and a row-wise one all-reduces its
+partial output in place (``dist.all_reduce``), adding its bias afterwards into a new tensor. Each rank's KV cache
+holds its share of the key/value heads (``generation/utils.py`` sizes it by ``num_key_value_heads / tp``).
+
 A ``log_softmax`` over a vocabulary-sliced input is ``loss_parallel()``'s vocabulary-parallel loss
 (torch/distributed/tensor/parallel/loss.py), whose slice-sized temporaries are added op by op: forward
 ``shifted = x - max`` and ``exp(shifted)``; backward ``zeros_like(x)``, ``exp(x)``, their sum, and the
@@ -28,11 +34,12 @@ embedding's: they hold a few bytes per token, against the logits' vocabulary-siz
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
@@ -52,6 +59,9 @@ ROWWISE = "rowwise"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 COLWISE_GATHER_OUTPUT = "colwise_gather_output"
 STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT)
+# transformers' style for a parameter every rank holds whole (Qwen3's and Gemma 3's q/k norms, which see the rank's
+# heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
+REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 # Which dimension of a style's weight and bias is split (None: replicated).
 _WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, EMBEDDING_ROWWISE: 0}
@@ -74,9 +84,21 @@ class TensorParallel:
     degree: int
     sequence_parallel: bool = False
     gathered_output: bool = False
+    inference: bool = False  # transformers' runtime under no_grad (tp_plan="auto"), not parallelize_module
+
+    @classmethod
+    def for_inference(cls, degree: int) -> TensorParallel:
+        """``from_pretrained(tp_plan="auto", tp_size=degree)``: its plan gathers the lm_head's output."""
+        return cls(degree, gathered_output=True, inference=True)
 
     @property
     def note(self) -> str:
+        if self.inference:
+            return (
+                f'transformers from_pretrained(tp_plan="auto", tp_size={self.degree}): the model\'s TP plan for the '
+                "decoder layers (row-wise outputs all-reduced in place), vocabulary-parallel embedding, lm_head "
+                f"output gathered to the full vocabulary; each GPU caches 1/{self.degree} of the key/value heads"
+            )
         loss = (
             "lm_head output all-gathered to the full vocabulary on every GPU"
             if self.gathered_output
@@ -101,12 +123,13 @@ class TensorParallel:
         if not plan:
             raise UserError(
                 f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
-                "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Gemma-2, "
-                "GPT-NeoX/Pythia); use --tp 1."
+                "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Qwen3, Gemma-2, "
+                "Gemma 3, SmolLM3, GPT-NeoX/Pythia); use --tp 1."
             )
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
-        unsupported = sorted({style for style in plan.values() if style not in (COLWISE, ROWWISE, EMBEDDING_ROWWISE)})
+        modelled = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
+        unsupported = sorted({style for style in plan.values() if style not in modelled})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
@@ -123,6 +146,9 @@ class TensorParallel:
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         sequence = setup.seq_len if self.sequence_parallel else None
         plan = megatron_plan(step.structure, self.degree, rank, self.gathered_output, sequence_length=sequence)
+        if self.inference:
+            plan = dataclasses.replace(plan, reduce_in_place=True)
+            return recorded(tensor_parallel(step, plan), inference_all_reduce(step))
         return recorded(tensor_parallel(step, plan), activation_all_reduce(step))
 
 
@@ -141,6 +167,15 @@ def activation_all_reduce(step: StepGraph) -> Collective:
     )
 
 
+def inference_all_reduce(step: StepGraph) -> Collective:
+    """transformers' inference runtime: each forward (the prefill and every decode step) all-reduces the
+    embedding's output and each layer's attention and MLP outputs, one hidden-state tensor each."""
+    embedding = step.structure.input_embedding
+    produced = sum(row.nbytes for row in step.storages.values() if row.producer is not None and row.module == embedding)
+    count = 2 * len(step.structure.blocks) + 1
+    return Collective(ALL_REDUCE, TENSOR_PARALLEL, count * produced, Phase.PREFILL, False, False, "layer outputs")
+
+
 @dataclass(frozen=True)
 class TpPlan:
     degree: int
@@ -148,6 +183,7 @@ class TpPlan:
     styles: Mapping[str, str] = field(default_factory=dict)  # module path pattern ("*" = a layer index) -> style
     sequence_length: int | None = None  # set for sequence parallelism: the length the sequence slices split
     output_embedding: str | None = None  # gathers its own input under sequence parallelism
+    reduce_in_place: bool = False  # a row-wise layer without bias all-reduces its partial output in place
 
     def style_of(self, module: str) -> str | None:
         for pattern, style in self.styles.items():
@@ -167,12 +203,16 @@ def megatron_plan(
     if not structure.blocks:
         raise UserError(f"--tp: no repeated decoder layers were found in {structure.model_class}.")
     layers = structure.blocks[0].rpartition(".")[0] + ".*."
-    styles = {pattern: style for pattern, style in structure.tp_plan.items() if pattern.startswith(layers)}
+    styles = {
+        pattern: style
+        for pattern, style in structure.tp_plan.items()
+        if pattern.startswith(layers) and style != REPLICATED_WITH_GRAD_ALLREDUCE
+    }
     if not styles:
         raise UserError(
             f"--tp needs a tensor-parallel plan for the decoder layers, and {structure.model_class} has none. "
-            "transformers defines one for Llama, Mistral, Qwen2, Gemma-2 and GPT-NeoX/Pythia; a custom model "
-            "gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
+            "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
+            "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
     for pattern, style in styles.items():
         if style not in (COLWISE, ROWWISE):
@@ -255,6 +295,7 @@ class _TensorParallel:
         self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
         self._styles: dict[str, str | None] = {}
         self._gatherers: dict[tuple[bool, str], str | None] = {}
+        self._cache_share = _Share(1, plan.degree)  # this rank's key/value heads (they divide evenly)
 
     def build(self) -> StepGraph:
         self.shard_parameters()
@@ -284,6 +325,9 @@ class _TensorParallel:
             self.param_share[row.param] = _Share(local, length, parameter=row.param, matrix=len(row.shape) == 2)
             self.param_shape[row.param] = (*row.shape[:dim], local, *row.shape[dim + 1 :])
         for row in self.step.storages.values():
+            if row.role is Role.KV_CACHE:  # made by any op, or before the traced decode step
+                self.share[row.id] = self.size[row.id] = self._cache_share
+                continue
             if row.producer is not None or row.role is Role.OPTIMIZER_STATE:
                 continue
             share = self.param_share.get(row.param or "", _REPLICATED) if row.role is Role.PARAMETER else _REPLICATED
@@ -306,11 +350,11 @@ class _TensorParallel:
                 share = gradient.get(row.param, share).slice()
             self.share[row.id] = self.size[row.id] = share.slice()
 
+    @cached_property
+    def _param_rows(self) -> dict[str, int]:
+        return {row.param: row.id for row in self.step.storages.values() if row.role is Role.PARAMETER and row.param}
+
     def _param_row(self, name: str) -> int:
-        if not hasattr(self, "_param_rows"):
-            self._param_rows = {
-                row.param: row.id for row in self.step.storages.values() if row.role is Role.PARAMETER and row.param
-            }
         return self._param_rows[name]
 
     # The walk.
@@ -391,8 +435,11 @@ class _TensorParallel:
     def reduce_partial_sum(self, storage_id: int, anchor: _Anchor) -> None:
         row = self.step.storages[storage_id]
         if not self.plan.sequence_length:
-            point = anchor.insert(self.rw, "_c10d_functional.all_reduce")
-            self._hand_over(storage_id, point, row.nbytes, "all-reduce output")
+            if self._reduced_in_place(anchor.op.module):
+                anchor.insert(self.rw, "c10d.allreduce_")
+            else:
+                point = anchor.insert(self.rw, "_c10d_functional.all_reduce")
+                self._hand_over(storage_id, point, row.nbytes, "all-reduce output")
             self.share[storage_id] = _REPLICATED
             return
         sliced = self._sequence_slice()
@@ -401,6 +448,13 @@ class _TensorParallel:
         self.rw.add(row.nbytes, Role.TEMPORARY, cat, scatter, "reduce-scatter input", row.dtype)
         self._hand_over(storage_id, scatter, self._bytes(row, sliced), "reduce-scatter output")
         self.share[storage_id] = sliced
+
+    def _reduced_in_place(self, module: str) -> bool:
+        """transformers' local inference kernel of a row-wise Linear: ``dist.all_reduce`` on its own output; with
+        a bias, ``output + bias`` then takes over from it, as a new buffer would."""
+        if not self.plan.reduce_in_place or self._style(module) != ROWWISE:
+            return False
+        return f"{module}.bias" not in self._param_rows
 
     def _sequence_slice(self) -> _Share:
         length = self.plan.sequence_length or 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools import mod_tracker
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -32,8 +33,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers import AutoModelForCausalLM
 
+from analysis.allocator import block_size
+from analysis.measure import Generation
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank
 from strategies.tensor_parallel import (
@@ -471,3 +476,42 @@ def accelerate_loop_peak(model: ResolvedModel, setup: TrainingSetup, mixed_preci
 def _tensors_of(outputs) -> list[torch.Tensor]:
     """The tensors a model output holds: its fields, and the keys and values of its cache."""
     return [getattr(holder, attribute) for *_, holder, attribute in output_slots(outputs)]
+
+
+def transformers_tp_generate_peak(model: ResolvedModel, setup: TrainingSetup, degree: int, rank: int = 0) -> int:
+    """transformers' own tensor-parallel inference: a checkpoint of the model loaded with
+    ``from_pretrained(tp_plan="auto", tp_size=degree)`` as ``rank`` of a fake process group, and ``generate()``
+    itself (``analysis.measure.Generation``) on real CPU tensors, after one warm-up generation.
+
+    The peak is the CPU allocator's: what the rank holds before (its weight shards, buffers and the prompt) plus
+    the highest running sum of the allocations and frees torch.profiler reports, each in the 512-byte blocks the
+    estimate counts. DTensor's own temporaries (the vocabulary-parallel embedding's masks) are among them. The
+    checkpoint is saved in another dtype than it is loaded in, so that each shard is a copy of its slice, as on
+    a GPU, not a view of the memory-mapped file."""
+    saved_dtype = torch.float32 if setup.param_dtype == torch.bfloat16 else torch.bfloat16
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        model.build(setup).to(saved_dtype).save_pretrained(directory)
+        with fake_process_group(degree, rank):
+            net = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=setup.param_dtype, tp_plan="auto", tp_size=degree
+            ).eval()
+            batch = model.batch(setup, "cpu")
+            Generation(net, setup).run(batch)
+            held = {
+                storage.data_ptr(): block_size(storage.nbytes())
+                for tensor in (*net.parameters(), *net.buffers(), batch.input_ids)
+                for storage in get_untyped_storages(tensor)
+            }
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+                Generation(net, setup).run(batch)
+    events = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profiler.profiler.kineto_results.events()
+        if event.name() == "[memory]"
+    )
+    now = peak = 0
+    for _, nbytes in events:
+        now += block_size(nbytes) if nbytes > 0 else -block_size(-nbytes)
+        peak = max(peak, now)
+    return sum(held.values()) + peak

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from runtimes import transformers_tp_generate_peak
 from tiny_models import FAMILIES as TINY
 from tiny_models import tiny_model
 
@@ -171,9 +172,51 @@ def test_inference_refuses_training_options(options, message):
         _inference(**options)
 
 
-def test_inference_refuses_parallel_layouts():
-    with pytest.raises(UserError, match="one GPU"):
+# Heads that leave each rank two key/value heads: with one, repeat_kv's copy is a view on the runtime (limits.md).
+TP_HEADS = {
+    2: {"num_attention_heads": 8, "num_key_value_heads": 4},
+    4: {"num_attention_heads": 16, "num_key_value_heads": 8},
+}
+TP_FAMILIES = ["llama", "gemma2", "gpt_neox", "qwen3"]
+
+
+def _check_tensor_parallel(family: str, setup: TrainingSetup, degree: int, rank: int = 0, **overrides) -> None:
+    model = tiny_model(family, **(TP_HEADS[degree] | overrides))
+    runtime = transformers_tp_generate_peak(model, setup, degree, rank)
+    reports = analyze(model, setup, Layout(gpus=degree, tp=degree)).ranks
+    estimated = next(report for report in reports if report.rank.tp == rank)
+    assert abs(estimated.peak_bytes - runtime) / runtime <= TOLERANCE, (estimated.peak_bytes, runtime)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
+@pytest.mark.parametrize(
+    "family",
+    TP_FAMILIES
+    + [pytest.param(f, marks=pytest.mark.slow) for f in ("mistral", "qwen2", "gemma3_text", "smollm3", "codegen")],
+)
+def test_tensor_parallel_generate_matches_transformers(family, shape, cache, request):
+    """transformers' own tensor parallelism (from_pretrained(tp_plan="auto")), generate() on rank 0 of 2."""
+    if (family, shape, cache) == ("gemma3_text", PREFILL_PEAK, "static"):
+        reason = "the runtime allocates 7.5 KiB (1.6%) more, outside the dispatcher's view; not located (limits.md)"
+        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
+    _check_tensor_parallel(family, _inference(cache=cache, **shape), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TP_FAMILIES)
+def test_tensor_parallel_generate_over_four_ranks(family):
+    """Four ranks, and the last of them holding a shorter slice of a vocabulary they do not divide."""
+    setup = _inference(**DECODE_PEAK)
+    _check_tensor_parallel(family, setup, 4)
+    _check_tensor_parallel(family, setup, 4, rank=3, vocab_size=253)
+
+
+def test_inference_refuses_data_parallel_layouts():
+    with pytest.raises(UserError, match="one GPU, or tensor parallel"):
         analyze(tiny_model("llama"), _inference(), Layout(gpus=2))
+    with pytest.raises(UserError, match="--quantize"):
+        analyze(tiny_model("llama"), _inference(quantize="nf4", dtype="bf16"), Layout(gpus=2, tp=2))
 
 
 def test_sweep_parsing():
@@ -217,6 +260,7 @@ def test_sweep_reports_none_that_fits(monkeypatch, capsys):
     "argv",
     [
         ["--mode", "inference", "--gpus", "2"],
+        ["--mode", "inference", "--gpus", "2", "--tp", "2", "--zero", "3"],
         ["--mode", "inference", "--lora-r", "8"],
         ["--mode", "inference", "--quantize", "nf4", "--dtype", "fp32"],
         ["--mode", "inference", "--cache", "paged"],

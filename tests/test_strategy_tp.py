@@ -46,7 +46,11 @@ def _check(
     "gathered", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["parallel-loss", "gathered-logits"]
 )
 @pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gpt_neox"])
+@pytest.mark.parametrize(
+    "family",
+    ["llama", "qwen2", "gemma2", "gpt_neox"]
+    + [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3", "gemma3_text")],
+)
 def test_tensor_parallel_matches_the_runtime(family, degree, gathered):
     _check(family, degree, gathered=gathered)
 

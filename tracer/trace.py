@@ -20,6 +20,9 @@ def element_size(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
+_FORWARD_PHASES = frozenset({Phase.FORWARD, Phase.PREFILL, Phase.DECODE})
+
+
 @dataclass(frozen=True)
 class Op:
     index: int
@@ -34,7 +37,7 @@ class Op:
 
     @property
     def runs_forward(self) -> bool:
-        return self.phase is Phase.FORWARD or self.recompute
+        return self.phase in _FORWARD_PHASES or self.recompute
 
 
 @dataclass
