@@ -16,6 +16,7 @@ from tracer.training import (
     CACHES,
     CHECKPOINTING,
     DTYPES,
+    INFERENCE_ONLY,
     MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
@@ -343,6 +344,15 @@ def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
         "default 1, as generate() passes it",
     )
     group.add_argument(
+        "--dequantize",
+        action="store_const",
+        const=True,
+        default=None,
+        help="a checkpoint published quantized (FP8 blocks: DeepSeek-V3/R1, Kimi K2; MXFP4: gpt-oss) is loaded "
+        "dequantized to --dtype, as transformers does without the kernels its format needs; by default its "
+        "weights are counted as published",
+    )
+    group.add_argument(
         "--quantize",
         choices=("int8", "int4", "nf4"),
         default=None,
@@ -632,7 +642,7 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
         )
     inference = {
         name: _given(getattr(args, name), getattr(defaults, name))
-        for name in ("mode", "max_new_tokens", "cache", "logits_to_keep")
+        for name in ("mode", *INFERENCE_ONLY)
         if hasattr(args, name)
     }
     dtype, mixed_precision = _precision(args, quantized=quantize is not None)
@@ -695,7 +705,7 @@ def _refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} sets up LoRA adapters: add --lora-r R (or --qlora).")
     if inference and given("optimizer"):
         raise UserError("--optimizer does not apply to inference: drop it with --mode inference.")
-    for name in ("max_new_tokens", "cache", "logits_to_keep"):
+    for name in INFERENCE_ONLY:
         if given(name) and not inference:
             raise UserError(f"--{name.replace('_', '-')} applies to generation: add --mode inference.")
     if hasattr(args, "offload") and args.offload is None and given("pcie_gbps"):

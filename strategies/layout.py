@@ -20,6 +20,7 @@ from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.errors import UserError
 from tracer.graph import StepGraph
+from tracer.published import refuse_with_tensor_parallelism
 from tracer.training import TrainingSetup
 
 if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
@@ -306,6 +307,8 @@ def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedC
             "Quantized weights (--quantize) with tensor parallelism are not modelled: "
             "transformers' parallel styles shard nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
         )
+    if not setup.dequantize:
+        refuse_with_tensor_parallelism(config)
     tensor = TensorParallel.for_inference(layout.tp)
     if config is not None:
         tensor.check(config)

@@ -80,6 +80,15 @@ class StepRecorder(TorchDispatchMode):
         finally:
             self._paused = False
 
+    def restate(self, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Count an existing storage as ``shape`` of ``dtype``: a weight the step reads in 16 bits that the
+        GPU holds in its checkpoint's quantized format (tracer/published.py)."""
+        storage = self._storage_of(tensor, created_at=None)
+        numel = 1
+        for size in shape:
+            numel *= size
+        storage.nbytes, storage.shape, storage.dtype = numel * dtype.itemsize, shape, str(dtype).removeprefix("torch.")
+
     def track_created(self, tensor: torch.Tensor, role: Role, name: str) -> None:
         """Register a storage made while paused, as made just before the next recorded op."""
         storage = self._storage_of(tensor, created_at=len(self.ops))

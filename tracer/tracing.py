@@ -31,6 +31,7 @@ from tracer.inference import InferenceStep
 from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
+from tracer.published import MODELLED, describe, published_parameters, quant_method, track_published
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model
 from tracer.roles import Phase, Role
@@ -117,6 +118,7 @@ def _record(
     report = progress or (lambda stage, done, total: None)
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
+    published = published_parameters(model.config, setup.param_dtype) if _as_published(model, setup) else {}
     with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model", 0, 0)
         net = (model if plan is None else replace(model, config=plan.cut)).build(setup)
@@ -145,6 +147,7 @@ def _record(
 
         recorder = StepRecorder(ModuleScope(net, on_block), device_type=None if cuda else "cpu")
         register_baseline(recorder, step, batch, step_counters_on_host=cuda)
+        scales = track_published(recorder, net, published)  # alive through the step
         workspace = None
         if emulation is not None:
             workspace = torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8)
@@ -159,7 +162,7 @@ def _record(
                 step.run(batch, on_phase=on_phase, recorder=recorder)
             else:
                 step.run(batch, on_phase=on_phase, micro_steps=traced_micro_steps(setup))
-        del workspace
+        del workspace, scales
 
     trace = recorder.trace()
     if cuda:
@@ -222,16 +225,27 @@ def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, 
     }
 
 
-def _checkpoint_quantization(config) -> dict[str, str]:
-    """A published checkpoint's own weight format (FP8 blocks, MXFP4) is not modelled: say so beside the dtype."""
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
+def _as_published(model: Model, setup: TrainingSetup) -> bool:
+    """Whether the weights are counted in the checkpoint's own quantized format: for inference in a format
+    modelled, unless ``--dequantize``."""
+    return setup.mode == "inference" and not setup.dequantize and quant_method(model.config) in MODELLED
+
+
+def _checkpoint_quantization(model: Model, setup: TrainingSetup) -> dict[str, str]:
+    """How a quantized checkpoint's weights are counted, beside the dtype."""
+    method = quant_method(model.config)
+    if method is None:
         return {}
-    method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
-    return {
-        "checkpoint_weights": f"published as {method}, which is not modelled: weights counted in --dtype "
-        "(as when the checkpoint is loaded dequantized)"
-    }
+    if _as_published(model, setup):
+        return {"checkpoint_weights": describe(model.config)}
+    why = (
+        "loaded dequantized (--dequantize)"
+        if setup.dequantize
+        else "fine-tuning loads it dequantized"
+        if setup.mode == "train" and method in MODELLED
+        else "its format is not modelled"
+    )
+    return {"checkpoint_weights": f"published as {method}; weights counted in --dtype: {why}"}
 
 
 def _inference_assumptions(setup: TrainingSetup) -> dict[str, object]:
@@ -303,7 +317,7 @@ def _assumptions(model: Model, config, setup: TrainingSetup, optimizer, emulatio
             attention += f" ({type(config).__name__} has no SDPA path in transformers)"
     assumptions: dict[str, object] = {
         "model_source": model.source,
-        **_checkpoint_quantization(config),
+        **_checkpoint_quantization(model, setup),
         **(
             _inference_assumptions(setup)
             if setup.mode == "inference"

@@ -39,7 +39,7 @@ TRAINING_ONLY = (
     "optimizer_impl",
     "pcie_gbps",
 )
-INFERENCE_ONLY = ("max_new_tokens", "cache", "logits_to_keep")
+INFERENCE_ONLY = ("max_new_tokens", "cache", "logits_to_keep", "dequantize")
 CACHES = ("dynamic", "static")  # transformers' DynamicCache and StaticCache
 
 
@@ -99,6 +99,8 @@ class TrainingSetup:
     max_new_tokens: int = 1  # inference: the decode step runs with the cache holding prompt + these - 1
     cache: str = "dynamic"  # inference
     logits_to_keep: int = 1  # inference prefill: logits of the last N positions (0: all); generate() passes 1
+    # inference: a checkpoint published quantized (FP8, MXFP4) loaded dequantized to --dtype; training always is
+    dequantize: bool = False
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
