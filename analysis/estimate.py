@@ -10,6 +10,7 @@ ask the source for a batch line (analysis/batch_line.py), so that a batch size c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -27,6 +28,7 @@ from tracer.tracing import Progress, trace_step
 from tracer.training import Target, TrainingSetup
 
 SINGLE_GPU = Layout()
+SHARED_STEPS = 8  # transformed steps a source keeps for layouts that share them
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,7 @@ class StepSource:
         self._traces: dict[int, Trace] = {}
         self._steps: dict[int, StepGraph] = {}
         self._line: BatchLine | None = None
+        self._shared: dict[Hashable, StepGraph] = {}
 
     def trace(self, batch: int) -> Trace:
         if batch not in self._traces:
@@ -101,6 +104,17 @@ class StepSource:
     def step(self, batch: int) -> StepGraph:
         line = self.line() if self.lines and batch >= 2 else None
         return line.at(batch) if line is not None else self.traced_step(batch)
+
+    def shared(self, key: Hashable, build: Callable[[], StepGraph]) -> StepGraph:
+        """A transformed step that layouts of this source share (the same tensor-parallel slice under different
+        data parallelism, as the planner tries them one after another), kept for the last few keys."""
+        if key in self._shared:
+            self._shared[key] = self._shared.pop(key)  # most recently used last
+        else:
+            self._shared[key] = build()
+            while len(self._shared) > SHARED_STEPS:
+                del self._shared[next(iter(self._shared))]
+        return self._shared[key]
 
     def line(self) -> BatchLine | None:
         """None if the steps at batch 2 and 3 differ in more than sizes: then every batch is traced."""
@@ -145,7 +159,10 @@ class LayoutEstimate:
         return self._transformed(rank, batch)
 
     def _transformed(self, rank: Rank, batch: int) -> StepGraph:
-        return self.prepared.rank_step(self.source.step(batch), rank)
+        prepared = self.prepared
+        key = (batch, prepared.model_parallel_key(rank))
+        step = self.source.shared(key, lambda: prepared.model_parallel_step(self.source.step(batch), rank))
+        return prepared.data_parallel_step(step, rank)
 
     def evaluate(self, batch: int, progress: Progress | None = None) -> StepResult:
         """The busiest rank's result at ``batch``, carrying every distinct rank's report."""

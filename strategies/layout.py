@@ -228,13 +228,28 @@ class PreparedLayout:
     def rank_step(self, step: StepGraph, rank: Rank) -> StepGraph:
         """The step of ``rank``: the traced step transformed by the layout, its pipeline stage first, then
         tensor parallelism."""
+        return self.data_parallel_step(self.model_parallel_step(step, rank), rank)
+
+    def model_parallel_step(self, step: StepGraph, rank: Rank) -> StepGraph:
+        """The pipeline stage and tensor-parallel slice of ``rank``: what layouts splitting the model alike share,
+        whatever their data parallelism (``model_parallel_key``)."""
         if self.pipeline is not None:
             step = self.pipeline.apply(step, rank.pp)
         if self.tensor is not None:
             step = self.tensor.apply(step, self.setup, rank.tp)
-        if self.data is not None:
-            step = self.data.apply(step, self.setup, rank.dp)
         return step
+
+    def model_parallel_key(self, rank: Rank) -> tuple:
+        return (
+            self.pipeline,
+            rank.pp if self.pipeline else 0,
+            self.tensor,
+            rank.tp if self.tensor else 0,
+            self.setup.seq_len,
+        )
+
+    def data_parallel_step(self, step: StepGraph, rank: Rank) -> StepGraph:
+        return self.data.apply(step, self.setup, rank.dp) if self.data is not None else step
 
 
 def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:

@@ -156,14 +156,18 @@ def unit_windows(
     """For each unit (a name and the module paths it owns), the first and last op of its forward and of
     its backward, among ``ops`` (all of the step's by default). Ops of a module belong to the unit owning
     its longest matching path."""
-    owner: dict[str, str] = {}
+    owner: dict[str, str | None] = {}
+    prefixes: dict[str, str] = {}  # module path -> the first unit that owns it
+    for unit, paths in units.items():
+        for path in paths:
+            prefixes.setdefault(path, unit)
     windows: dict[str, dict[Phase, list[int]]] = defaultdict(dict)
     for op in step.ops if ops is None else step.ops[ops.start : ops.stop]:
         if op.phase is Phase.OPTIMIZER:
             continue
-        unit = owner.get(op.module)
-        if unit is None:
-            unit = owner[op.module] = _owning_unit(op.module, units)
+        if op.module not in owner:
+            owner[op.module] = _owning_unit(op.module, prefixes)
+        unit = owner[op.module]
         if unit is None:
             continue
         span = windows[unit].setdefault(op.phase, [op.index, op.index])
@@ -171,12 +175,14 @@ def unit_windows(
     return {unit: {phase: tuple(span) for phase, span in spans.items()} for unit, spans in windows.items()}
 
 
-def _owning_unit(module: str, units: dict[str, tuple[str, ...]]) -> str | None:
+def _owning_unit(module: str, prefixes: dict[str, str]) -> str | None:
+    """The unit of the longest module path that is ``module`` or contains it."""
     if module == LOOP:  # outside the model: no unit's, not even the root's
         return None
-    best, best_length = None, -1
-    for unit, prefixes in units.items():
-        for prefix in prefixes:
-            if (prefix == "" or module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_length:
-                best, best_length = unit, len(prefix)
-    return best
+    path = module
+    while True:
+        if path in prefixes:
+            return prefixes[path]
+        if not path:
+            return None
+        path = path.rpartition(".")[0]
