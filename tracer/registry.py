@@ -75,6 +75,7 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     # 2025-2026 releases; where each file was copied from is in configs/SOURCES.md.
     BundledModel("Qwen/Qwen3-0.6B", ("Qwen/Qwen3-0.6B-Base",)),
     BundledModel("Qwen/Qwen3-1.7B", ("Qwen/Qwen3-1.7B-Base",)),
+    BundledModel("Qwen/Qwen3-4B", ("Qwen/Qwen3-4B-Base",)),
     BundledModel("Qwen/Qwen3-8B", ("Qwen/Qwen3-8B-Base",)),
     BundledModel("Qwen/Qwen3-14B", ("Qwen/Qwen3-14B-Base",)),
     BundledModel("Qwen/Qwen3-32B"),
@@ -87,6 +88,7 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     BundledModel("microsoft/phi-4", ("microsoft/Phi-4",)),
     BundledModel("microsoft/Phi-4-mini-instruct", ("microsoft/Phi-4-mini",)),
     BundledModel("mistralai/Mistral-Nemo-Base-2407", ("mistralai/Mistral-Nemo-Instruct-2407",)),
+    BundledModel("mistralai/Mistral-Small-3.1-24B-Instruct-2503", ("mistralai/Mistral-Small-3.1-24B-Base-2503",)),
     BundledModel("mistralai/Mixtral-8x22B-v0.1", ("mistralai/Mixtral-8x22B-Instruct-v0.1",)),
     BundledModel("deepseek-ai/DeepSeek-V3", ("deepseek-ai/DeepSeek-V3-Base", "deepseek-ai/DeepSeek-V3-0324")),
     BundledModel("deepseek-ai/DeepSeek-R1", ("deepseek-ai/DeepSeek-R1-0528",)),
