@@ -192,6 +192,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="auto: the model's dtype; fp8: one byte"
     )
     parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="vLLM's --quantization fp8: a 16-bit checkpoint's linear layers and experts quantized to FP8 as they "
+        "load (one byte per weight); embeddings, lm_head and norms keep --dtype",
+    )
+    parser.add_argument(
         "--block-size",
         type=count(),
         default=DEFAULT_BLOCK_SIZE,

@@ -179,6 +179,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         dtype={"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
         non_torch_bytes=parse_bytes(args.non_torch_memory, "--non-torch-memory") if args.non_torch_memory != "0" else 0,
+        quantization=args.quantization,
     )
     model = resolve_model(args.model)
     startup = vllm_startup(model.config, setup)

@@ -51,6 +51,7 @@ DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size on CUDA
 DEFAULT_MAX_NUM_SEQS = 256  # SchedulerConfig.max_num_seqs
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs' V1 default for the OpenAI server on most GPUs
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("fp8",)  # --quantization of a 16-bit checkpoint
 SLIDING = "sliding_attention"
 
 
@@ -68,6 +69,7 @@ class VllmSetup:
     block_size: int = DEFAULT_BLOCK_SIZE
     dtype: torch.dtype | None = None  # None: the checkpoint's, as vLLM's dtype="auto" (fp32 served as bf16)
     non_torch_bytes: int = 0
+    quantization: str | None = None  # "fp8": dynamic FP8 of a 16-bit checkpoint's linear layers
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,9 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
         raise UserError(
-            f"this checkpoint is quantized ({method}); serve models vLLM's 16-bit weights only so far. Pass a "
-            "config.json without quantization_config to size the unquantized model."
+            f"this checkpoint is published quantized ({method}); serve models 16-bit checkpoints only so far, and "
+            "vLLM's --quantization fp8 of them. Pass a config.json without quantization_config to size the "
+            "unquantized model (with --quantization fp8 for FP8 weights)."
         )
     dtype = setup.dtype or _served_dtype(config)
     with torch.device("meta"):
@@ -135,7 +138,7 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     return VllmStartup(
         setup,
         max_model_len,
-        rank_weights(model, config, setup.tensor_parallel_size),
+        rank_weights(model, config, setup.tensor_parallel_size, fp8_linears=setup.quantization == "fp8"),
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
@@ -153,6 +156,10 @@ def _served_dtype(config) -> torch.dtype:
 def _check(config, setup: VllmSetup) -> None:
     if not 0 < setup.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {setup.gpu_memory_utilization} must be in (0, 1].")
+    if setup.quantization not in (None, *QUANTIZATIONS):
+        raise UserError(
+            f"--quantization {setup.quantization}: only fp8 (dynamic FP8 of the linear layers) is modelled."
+        )
     if setup.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise UserError(f"--kv-cache-dtype {setup.kv_cache_dtype}: one of {', '.join(KV_CACHE_DTYPES)}.")
     if not isinstance(getattr(config, "intermediate_size", None), int):

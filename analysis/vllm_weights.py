@@ -17,6 +17,11 @@ vllm/model_executor/layers/:
   ``kv_a_proj_with_mqa``, routers): whole on every rank.
 * gpt-oss' attention sinks are divided with the heads (``GptOssAttention``: ``num_attention_heads // tp``).
 
+With ``--quantization fp8`` (quantization/fp8.py, ``Fp8OnlineLinearMethod`` and ``Fp8OnlineMoEMethod``: a 16-bit
+checkpoint quantized as it loads, layer by layer) the column-, row- and QKV-parallel layers and the experts hold
+one byte per weight and one float32 scale per layer; embeddings, the lm_head, norms and the layers built without a
+quantization config (routers) keep the model's dtype.
+
 ``get_rope`` (rotary_embedding.py) adds one ``cos_sin_cache`` buffer per distinct rotary setup,
 ``max_position_embeddings x rotary_dim`` in the model's dtype, shared by every layer.
 """
@@ -55,8 +60,9 @@ class RankWeights:
         return self.parameter_bytes + self.rotary_bytes
 
 
-def rank_weights(model: nn.Module, config, tp: int) -> RankWeights:
-    """What one of ``tp`` ranks holds of ``model`` (built on the meta device) once vLLM has loaded it."""
+def rank_weights(model: nn.Module, config, tp: int, fp8_linears: bool = False) -> RankWeights:
+    """What one of ``tp`` ranks holds of ``model`` (built on the meta device) once vLLM has loaded it; with
+    ``fp8_linears``, its linear layers and experts in FP8 (``--quantization fp8``)."""
     heads = config.num_attention_heads
     if heads % tp:
         raise UserError(
@@ -65,9 +71,20 @@ def rank_weights(model: nn.Module, config, tp: int) -> RankWeights:
         )
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = {getattr(config, name, None) for name in ("intermediate_size", "moe_intermediate_size")} - {None}
-    total = sum(_rank_numel(name, tuple(p.shape), tp, kv_heads, intermediate) * p.element_size()
-                for name, p in model.named_parameters())  # fmt: skip
+    total = 0
+    for name, parameter in model.named_parameters():
+        numel = _rank_numel(name, tuple(parameter.shape), tp, kv_heads, intermediate)
+        quantized = fp8_linears and name.endswith(("weight", "proj")) and _quantized_linear(name)
+        total += numel + FP8_SCALE_BYTES if quantized else numel * parameter.element_size()
     return RankWeights(total, _rotary_bytes(config, _dtype(model)))
+
+
+FP8_SCALE_BYTES = 4  # one float32 scale per layer (per tensor), as scaled_fp8_quant computes it
+
+
+def _quantized_linear(name: str) -> bool:
+    """A weight of a layer ``--quantization fp8`` quantizes: a parallel linear layer or the experts."""
+    return bool(_KEY_VALUE.search(name) or _COLUMN.search(name) or _ROW.search(name) or _EXPERTS.search(name))
 
 
 def _rank_numel(name: str, shape: tuple[int, ...], tp: int, kv_heads: int, intermediate: set[int]) -> int:

@@ -46,6 +46,7 @@ class Logged:
     tp: int
     max_model_len: int
     kv_cache_dtype: str
+    quantization: str | None  # --quantization: how the served checkpoint's weights are modelled
     non_torch: float  # "non-torch forward increase memory", the one figure given as input
     weights: float  # "Model loading took" / "weights memory"
     activation: float  # "torch peak memory increase"
@@ -55,7 +56,8 @@ class Logged:
 
 
 def _case(log: str, model: str, served: str, kind: str, tp: int = 1, max_model_len: int = 8192, **logged) -> Logged:
-    return Logged(log, model, served, tp, max_model_len, logged.pop("kv_cache_dtype", "auto"), kind=kind, **logged)
+    kv_cache_dtype, quantization = logged.pop("kv_cache_dtype", "auto"), logged.pop("quantization", None)
+    return Logged(log, model, served, tp, max_model_len, kv_cache_dtype, quantization, kind=kind, **logged)
 
 
 LLAMA_8B, QWEN_7B = "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"
@@ -80,6 +82,12 @@ CASES = [
           "dense", non_torch=0.25, weights=15.27, activation=2.21, kv=57.5, tokens=418688),
     _case("qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192.log", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct",
           "dense", tp=2, non_torch=2.09, weights=67.8, activation=2.29, kv=3.04, tokens=19920),
+    # RedHatAI's checkpoint holds the bf16 model's linear layers in FP8 with a float32 scale per output channel
+    # (compressed-tensors, CompressedTensorsW8A8Fp8 in the log); --quantization fp8 gives the same FP8 weights
+    # with a scale per layer: 10 MB apart at TP 4
+    _case("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-3.3-70B-Instruct",
+          "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic", "dense, FP8 weights", tp=4, quantization="fp8",
+          non_torch=2.21, weights=16.96, activation=1.97, kv=54.09, tokens=708992),
     _case("mistralai-mixtral-8x7b-i--h100-80gb--tp2pp1dp1--8192.log", "mistralai/Mixtral-8x7B-v0.1",
           "mistralai/Mixtral-8x7B-Instruct-v0.1", "MoE", tp=2, non_torch=2.07, weights=43.51, activation=1.21,
           kv=28.44, tokens=465936),
@@ -87,18 +95,19 @@ CASES = [
           "MoE", non_torch=0.27, weights=56.88, activation=2.68, kv=15.41, tokens=168288),
     _case("google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-2-9b", "google/gemma-2-9b-it",
           "sliding window (hybrid)", non_torch=0.25, weights=17.22, activation=3.65, kv=54.12, tokens=168880),
+    _case("mistralai-mistral-small---h100-80gb--tp1pp1dp1--8192.log", "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
+          "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "dense, multimodal (its language model; vision tower not "
+          "counted)", non_torch=0.25, weights=44.76, activation=2.03, kv=28.19, tokens=184752),
     _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
           "meta-llama/Llama-4-Scout-17B-16E-Instruct", "MoE, chunked local attention (hybrid)", tp=4, non_torch=2.17,
           weights=53.12, activation=3.19, kv=16.75, tokens=365968),
 ]  # fmt: skip
 NOT_REPRODUCED = [
     ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log", "pipeline parallelism is not modelled by serve"),
-    ("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log, openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log",
-     "quantized checkpoints (FP8, MXFP4) are refused by serve"),
+    ("openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log", "MXFP4 checkpoints are refused by serve"),
     ("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log, moonshotai-kimi-vl-a3b-i--h100-80gb--tp2pp1dp1--8192"
      ".log", "MLA models whose config.json is not bundled (DeepSeek-V2-Lite, Kimi-VL); no official copy was found"),
-    ("mistralai-mistral-small---h100-80gb--tp1pp1dp1--8192.log, google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log",
-     "configs not bundled (Mistral Small 3.1, Gemma 3 27B)"),
+    ("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "config not bundled (Gemma 3 27B)"),
 ]  # fmt: skip
 
 
@@ -112,6 +121,7 @@ def estimate(case: Logged):
         max_num_seqs=MAX_NUM_SEQS,
         kv_cache_dtype=case.kv_cache_dtype,
         non_torch_bytes=int(case.non_torch * GIB),
+        quantization=case.quantization,
     )
     return vllm_startup(resolve_model(case.model).config, setup)
 

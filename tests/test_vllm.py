@@ -49,6 +49,19 @@ def test_kv_cache_tokens_fill_the_rest_of_the_utilization():
     assert startup.kv_cache_tokens == startup.num_blocks * 16
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_quantization_stores_linear_layers_in_one_byte(tp):
+    """--quantization fp8: q/k/v/o and gate/up/down one byte per weight and one float32 scale each; the
+    embeddings, lm_head and norms in 16 bits."""
+    config, bf16 = _startup("llama", tensor_parallel_size=tp)
+    _, fp8 = _startup("llama", tensor_parallel_size=tp, quantization="fp8")
+    hidden, inter, heads, kv = config.hidden_size, config.intermediate_size, 4, 2
+    head = hidden // heads
+    linear = hidden * head * heads // tp * 2 + 2 * hidden * head * max(1, kv // tp) + 3 * hidden * inter // tp
+    scales = 7 * 4
+    assert bf16.weights.parameter_bytes - fp8.weights.parameter_bytes == config.num_hidden_layers * (linear - scales)
+
+
 def test_fp8_kv_cache_halves_the_page_of_a_16_bit_model():
     _, bf16 = _startup("llama", dtype=torch.bfloat16)
     _, fp8 = _startup("llama", dtype=torch.bfloat16, kv_cache_dtype="fp8")
