@@ -45,6 +45,7 @@ import torch
 
 from analysis.vllm_weights import RankWeights, rank_weights
 from tracer.errors import UserError
+from tracer.published import quant_method
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size on CUDA
@@ -117,14 +118,15 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     from transformers import AutoModelForCausalLM
 
     _check(config, setup)
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    method = quant_method(config)
+    if method not in (None, "mxfp4"):
         raise UserError(
-            f"this checkpoint is published quantized ({method}); serve models 16-bit checkpoints only so far, and "
-            "vLLM's --quantization fp8 of them. Pass a config.json without quantization_config to size the "
-            "unquantized model (with --quantization fp8 for FP8 weights)."
+            f"this checkpoint is published quantized ({method}); serve models 16-bit checkpoints, vLLM's "
+            "--quantization fp8 of them, and gpt-oss's MXFP4. Pass a config.json without quantization_config to size "
+            "the unquantized model (with --quantization fp8 for FP8 weights)."
         )
+    if method and setup.quantization:
+        raise UserError(f"--quantization {setup.quantization}: this checkpoint is already quantized ({method}).")
     dtype = setup.dtype or _served_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -138,7 +140,7 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     return VllmStartup(
         setup,
         max_model_len,
-        rank_weights(model, config, setup.tensor_parallel_size, fp8_linears=setup.quantization == "fp8"),
+        rank_weights(model, config, setup.tensor_parallel_size, setup.quantization or method),
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),

@@ -22,6 +22,11 @@ checkpoint quantized as it loads, layer by layer) the column-, row- and QKV-para
 one byte per weight and one float32 scale per layer; embeddings, the lm_head, norms and the layers built without a
 quantization config (routers) keep the model's dtype.
 
+gpt-oss's MXFP4 experts (quantization/mxfp4.py, ``Mxfp4MoEMethod`` with the Triton backend vLLM picks on Hopper,
+fused_moe/oracle/mxfp4.py) hold per rank an intermediate size rounded up to 64, two FP4 values per byte and a
+uint8 scale per 32 as loaded, then ``_swizzle_mxfp4`` lays the values out again padded to 64 and the scales padded
+to 256 rows, dropping the loaded values but keeping the loaded scales; the biases become float32.
+
 ``get_rope`` (rotary_embedding.py) adds one ``cos_sin_cache`` buffer per distinct rotary setup,
 ``max_position_embeddings x rotary_dim`` in the model's dtype, shared by every layer.
 """
@@ -60,9 +65,9 @@ class RankWeights:
         return self.parameter_bytes + self.rotary_bytes
 
 
-def rank_weights(model: nn.Module, config, tp: int, fp8_linears: bool = False) -> RankWeights:
-    """What one of ``tp`` ranks holds of ``model`` (built on the meta device) once vLLM has loaded it; with
-    ``fp8_linears``, its linear layers and experts in FP8 (``--quantization fp8``)."""
+def rank_weights(model: nn.Module, config, tp: int, quantization: str | None = None) -> RankWeights:
+    """What one of ``tp`` ranks holds of ``model`` (built on the meta device) once vLLM has loaded it: its linear
+    layers and experts in FP8 with ``--quantization fp8``, gpt-oss's experts in MXFP4 for an ``mxfp4`` checkpoint."""
     heads = config.num_attention_heads
     if heads % tp:
         raise UserError(
@@ -73,10 +78,32 @@ def rank_weights(model: nn.Module, config, tp: int, fp8_linears: bool = False) -
     intermediate = {getattr(config, name, None) for name in ("intermediate_size", "moe_intermediate_size")} - {None}
     total = 0
     for name, parameter in model.named_parameters():
+        if quantization == "mxfp4" and _EXPERTS.search(name):
+            continue  # counted per layer below
         numel = _rank_numel(name, tuple(parameter.shape), tp, kv_heads, intermediate)
-        quantized = fp8_linears and name.endswith(("weight", "proj")) and _quantized_linear(name)
+        quantized = quantization == "fp8" and name.endswith(("weight", "proj")) and _quantized_linear(name)
         total += numel + FP8_SCALE_BYTES if quantized else numel * parameter.element_size()
+    if quantization == "mxfp4":
+        total += config.num_hidden_layers * _mxfp4_experts_bytes(config, tp)
     return RankWeights(total, _rotary_bytes(config, _dtype(model)))
+
+
+def _mxfp4_experts_bytes(config, tp: int) -> int:
+    """One layer's MXFP4 experts on one rank, with the Triton backend's padding and the scales kept twice."""
+    experts, hidden = config.num_local_experts, config.hidden_size
+    inner = _round_up(config.intermediate_size // tp, MXFP4_TRITON_ALIGNMENT)  # per rank
+    values = _round_up(hidden // 2, 64) * 2 * inner + _round_up(inner // 2, 64) * hidden  # swizzled, padded
+    loaded_scales = 2 * inner * hidden // 32 + hidden * inner // 32
+    swizzled_scales = _round_up(2 * inner, 256) * hidden // 32 + _round_up(hidden, 256) * inner // 32
+    biases = (2 * inner + hidden) * 4  # float32
+    return experts * (values + loaded_scales + swizzled_scales + biases)
+
+
+MXFP4_TRITON_ALIGNMENT = 64  # oracle/mxfp4.py: the intermediate size per rank rounded up for the Triton backend
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 FP8_SCALE_BYTES = 4  # one float32 scale per layer (per tensor), as scaled_fp8_quant computes it

@@ -7,7 +7,8 @@ The logs: llm-d-incubation/llm-d-planner committed full ``vllm serve`` pod logs 
 ``VLLM_LOGGING_LEVEL=DEBUG`` (PR #205, commit d3121e0 "Add logs", 2026-04-22; removed again in 2489dbb), which
 print, per worker, "Model loading took", "torch peak memory increase", "non-torch forward increase memory",
 "Available KV cache memory" and "GPU KV cache size". Each case runs with what its log's "non-default args" line
-passed (``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``) and vLLM 0.19's defaults
+passed (``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``; gpt-oss's left the
+utilization at 0.9) and vLLM 0.19's defaults
 on an H100 (``max_num_seqs`` 1024, ``max_num_batched_tokens`` 8192, as the log's engine config states), on the
 79.19 GiB the log's memory snapshot reports. The non-torch memory (NCCL, cuBLAS, custom all-reduce) is not
 predicted: as a user would, each case passes its log's figure to ``--non-torch-memory``. No other number is taken
@@ -31,7 +32,7 @@ LOGS = (
     "accuracy/results/v0.19.0/logs/"
 )
 TOTAL_MEMORY_GIB = 79.19  # "worker init memory snapshot: ... total_memory=79.19GiB" (every log, H100 80GB HBM3)
-UTILIZATION = 0.95  # --gpu-memory-utilization in every case's "non-default args"
+UTILIZATION = 0.95  # --gpu-memory-utilization in the "non-default args" of every case but gpt-oss's (0.9)
 MAX_NUM_SEQS = 1024  # vLLM 0.19's default on an H100, as each log's engine config prints it
 MAX_NUM_BATCHED_TOKENS = 8192  # "Chunked prefill is enabled with max_num_batched_tokens=8192."
 
@@ -47,6 +48,7 @@ class Logged:
     max_model_len: int
     kv_cache_dtype: str
     quantization: str | None  # --quantization: how the served checkpoint's weights are modelled
+    utilization: float  # --gpu-memory-utilization
     non_torch: float  # "non-torch forward increase memory", the one figure given as input
     weights: float  # "Model loading took" / "weights memory"
     activation: float  # "torch peak memory increase"
@@ -57,7 +59,8 @@ class Logged:
 
 def _case(log: str, model: str, served: str, kind: str, tp: int = 1, max_model_len: int = 8192, **logged) -> Logged:
     kv_cache_dtype, quantization = logged.pop("kv_cache_dtype", "auto"), logged.pop("quantization", None)
-    return Logged(log, model, served, tp, max_model_len, kv_cache_dtype, quantization, kind=kind, **logged)
+    utilization = logged.pop("utilization", UTILIZATION)
+    return Logged(log, model, served, tp, max_model_len, kv_cache_dtype, quantization, utilization, kind=kind, **logged)
 
 
 LLAMA_8B, QWEN_7B = "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"
@@ -88,6 +91,10 @@ CASES = [
     _case("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-3.3-70B-Instruct",
           "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic", "dense, FP8 weights", tp=4, quantization="fp8",
           non_torch=2.21, weights=16.96, activation=1.97, kv=54.09, tokens=708992),
+    # its "non-default args" leave --gpu-memory-utilization at vLLM's 0.9
+    _case("openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log", "openai/gpt-oss-20b", "openai/gpt-oss-20b",
+          "MoE, MXFP4 experts, sliding window (hybrid)", tp=2, utilization=0.9, non_torch=2.07, weights=7.01,
+          activation=2.87, kv=59.32, tokens=2591776),
     _case("mistralai-mixtral-8x7b-i--h100-80gb--tp2pp1dp1--8192.log", "mistralai/Mixtral-8x7B-v0.1",
           "mistralai/Mixtral-8x7B-Instruct-v0.1", "MoE", tp=2, non_torch=2.07, weights=43.51, activation=1.21,
           kv=28.44, tokens=465936),
@@ -104,7 +111,6 @@ CASES = [
 ]  # fmt: skip
 NOT_REPRODUCED = [
     ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log", "pipeline parallelism is not modelled by serve"),
-    ("openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log", "MXFP4 checkpoints are refused by serve"),
     ("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log, moonshotai-kimi-vl-a3b-i--h100-80gb--tp2pp1dp1--8192"
      ".log", "MLA models whose config.json is not bundled (DeepSeek-V2-Lite, Kimi-VL); no official copy was found"),
     ("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "config not bundled (Gemma 3 27B)"),
@@ -114,7 +120,7 @@ NOT_REPRODUCED = [
 def estimate(case: Logged):
     setup = VllmSetup(
         gpu_memory_bytes=int(TOTAL_MEMORY_GIB * GIB),
-        gpu_memory_utilization=UTILIZATION,
+        gpu_memory_utilization=case.utilization,
         tensor_parallel_size=case.tp,
         max_model_len=case.max_model_len,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -149,7 +155,11 @@ def main() -> None:
             )
         )
     headers = ["served", "kind", "TP", "max len", "weights GiB", "activation GiB", "KV GiB", "KV tokens", "error"]
-    print("logged / estimated; vLLM 0.19.0, H100 80GB HBM3, --gpu-memory-utilization 0.95 (logs: " + LOGS + ")\n")
+    print(
+        "logged / estimated; vLLM 0.19.0, H100 80GB HBM3, --gpu-memory-utilization 0.95 but 0.9 for gpt-oss (logs: "
+        + LOGS
+        + ")\n"
+    )
     print(tabulate(rows, headers, tablefmt="github" if args.markdown else "simple", disable_numparse=True))
     print(
         f"\n{len(rows)} cases: KV tokens median |error| {100 * statistics.median(errors):.2f}%, "

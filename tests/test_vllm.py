@@ -11,6 +11,7 @@ from test_cli import _assert_user_error, _config_file, _run
 from tiny_models import tiny_model
 
 from analysis.vllm import VllmSetup, vllm_startup
+from tracer.errors import UserError
 from tracer.units import GIB
 
 
@@ -60,6 +61,30 @@ def test_fp8_quantization_stores_linear_layers_in_one_byte(tp):
     linear = hidden * head * heads // tp * 2 + 2 * hidden * head * max(1, kv // tp) + 3 * hidden * inter // tp
     scales = 7 * 4
     assert bf16.weights.parameter_bytes - fp8.weights.parameter_bytes == config.num_hidden_layers * (linear - scales)
+
+
+def test_mxfp4_experts_of_gpt_oss():
+    """gpt-oss's experts as vLLM's Triton MXFP4 backend holds them per rank: the intermediate size rounded up to 64,
+    two values per byte, the loaded scales (one per 32) kept beside the swizzled ones padded to 256 rows, float32
+    biases; the rest in 16 bits. A checkpoint already quantized refuses --quantization."""
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    config = tiny_model("gpt_oss", quantization_config=mxfp4).config
+    plain = tiny_model("gpt_oss").config
+    setup = VllmSetup(gpu_memory_bytes=GIB)
+    experts, hidden, inner = config.num_local_experts, config.hidden_size, config.intermediate_size
+    padded = -(-inner // 64) * 64
+    per_layer = experts * (
+        -(-hidden // 2 // 64) * 64 * 2 * padded
+        + -(-padded // 2 // 64) * 64 * hidden
+        + (2 * padded * hidden + hidden * padded) // 32
+        + (-(-2 * padded // 256) * 256 * hidden + -(-hidden // 256) * 256 * padded) // 32
+        + (2 * padded + hidden) * 4
+    )
+    bf16_experts = experts * (2 * inner * hidden + hidden * inner + 2 * inner + hidden) * 2
+    difference = vllm_startup(plain, setup).weights.total - vllm_startup(config, setup).weights.total
+    assert difference == config.num_hidden_layers * (bf16_experts - per_layer)
+    with pytest.raises(UserError, match="already quantized"):
+        vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB, quantization="fp8"))
 
 
 def test_fp8_kv_cache_halves_the_page_of_a_16_bit_model():
