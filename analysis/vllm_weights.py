@@ -40,8 +40,12 @@ import torch
 from torch import nn
 
 from tracer.errors import UserError
+from tracer.published import MXFP4_VALUES_PER_SCALE
+from tracer.units import round_up
 
 VOCAB_PADDING = 64  # vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE
+FP8_SCALE_BYTES = 4  # one float32 scale per layer (per tensor), as scaled_fp8_quant computes it
+MXFP4_TRITON_ALIGNMENT = 64  # oracle/mxfp4.py: the intermediate size per rank rounded up for the Triton backend
 
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|wte|word_embeddings|embed_in|embed_out)\.weight$")
 _KEY_VALUE = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
@@ -81,7 +85,7 @@ def rank_weights(model: nn.Module, config, tp: int, quantization: str | None = N
         if quantization == "mxfp4" and _EXPERTS.search(name):
             continue  # counted per layer below
         numel = _rank_numel(name, tuple(parameter.shape), tp, kv_heads, intermediate)
-        quantized = quantization == "fp8" and name.endswith(("weight", "proj")) and _quantized_linear(name)
+        quantized = quantization == "fp8" and _quantized_linear(name)
         total += numel + FP8_SCALE_BYTES if quantized else numel * parameter.element_size()
     if quantization == "mxfp4":
         total += config.num_hidden_layers * _mxfp4_experts_bytes(config, tp)
@@ -91,26 +95,19 @@ def rank_weights(model: nn.Module, config, tp: int, quantization: str | None = N
 def _mxfp4_experts_bytes(config, tp: int) -> int:
     """One layer's MXFP4 experts on one rank, with the Triton backend's padding and the scales kept twice."""
     experts, hidden = config.num_local_experts, config.hidden_size
-    inner = _round_up(config.intermediate_size // tp, MXFP4_TRITON_ALIGNMENT)  # per rank
-    values = _round_up(hidden // 2, 64) * 2 * inner + _round_up(inner // 2, 64) * hidden  # swizzled, padded
-    loaded_scales = 2 * inner * hidden // 32 + hidden * inner // 32
-    swizzled_scales = _round_up(2 * inner, 256) * hidden // 32 + _round_up(hidden, 256) * inner // 32
+    inner = round_up(config.intermediate_size // tp, MXFP4_TRITON_ALIGNMENT)  # per rank
+    values = round_up(hidden // 2, 64) * 2 * inner + round_up(inner // 2, 64) * hidden  # swizzled, padded
+    group = MXFP4_VALUES_PER_SCALE
+    loaded_scales = 2 * inner * hidden // group + hidden * inner // group
+    swizzled_scales = round_up(2 * inner, 256) * hidden // group + round_up(hidden, 256) * inner // group
     biases = (2 * inner + hidden) * 4  # float32
     return experts * (values + loaded_scales + swizzled_scales + biases)
 
 
-MXFP4_TRITON_ALIGNMENT = 64  # oracle/mxfp4.py: the intermediate size per rank rounded up for the Triton backend
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-FP8_SCALE_BYTES = 4  # one float32 scale per layer (per tensor), as scaled_fp8_quant computes it
-
-
 def _quantized_linear(name: str) -> bool:
-    """A weight of a layer ``--quantization fp8`` quantizes: a parallel linear layer or the experts."""
+    """A weight (not a bias) ``--quantization fp8`` quantizes: of a parallel linear layer, or the experts'."""
+    if not name.endswith(("weight", "proj")):  # the experts' weights are ``...experts.gate_up_proj``
+        return False
     return bool(_KEY_VALUE.search(name) or _COLUMN.search(name) or _ROW.search(name) or _EXPERTS.search(name))
 
 
@@ -121,7 +118,7 @@ def _rank_numel(name: str, shape: tuple[int, ...], tp: int, kv_heads: int, inter
     if tp == 1:
         return numel
     if _VOCAB.search(name):
-        padded = -(-shape[0] // VOCAB_PADDING) * VOCAB_PADDING
+        padded = round_up(shape[0], VOCAB_PADDING)
         return padded // tp * shape[1]
     if _KEY_VALUE.search(name):
         return numel // kv_heads * max(1, kv_heads // tp)

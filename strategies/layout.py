@@ -266,11 +266,7 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         tensor = TensorParallel(layout.tp, layout.sequence_parallel, layout.tp_output == "gathered")
         if config is not None:
             tensor.check(config)
-    if setup.quantize and layout.tp > 1:
-        raise UserError(
-            "Quantized base weights (--qlora, --load-in-8bit) are not modelled with tensor parallelism: "
-            "PyTorch's parallel styles split nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
-        )
+    _refuse_quantized_tensor_parallel(layout, setup)
     if setup.quantize == "int8" and layout.engine == "deepspeed" and layout.zero == 3:
         raise UserError(
             "--load-in-8bit with DeepSpeed ZeRO-3 is not modelled: ZeRO-3 partitions the base weights, and PEFT "
@@ -307,6 +303,15 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     return PreparedLayout(layout, setup, traced, tensor, data, pipeline, assumptions)
 
 
+def _refuse_quantized_tensor_parallel(layout: Layout, setup: TrainingSetup) -> None:
+    if setup.quantize and layout.tp > 1:
+        flags = "--quantize" if setup.mode == "inference" else "--qlora, --load-in-8bit"
+        raise UserError(
+            f"Quantized base weights ({flags}) are not modelled with tensor parallelism: the parallel styles split "
+            "nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
+        )
+
+
 def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
     """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
     if layout.tp != layout.gpus or layout.zero or layout.offload or layout.sequence_parallel:
@@ -317,11 +322,7 @@ def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedC
         )
     if layout.tp == 1:
         return PreparedLayout(layout, setup, setup)
-    if setup.quantize:
-        raise UserError(
-            "Quantized weights (--quantize) with tensor parallelism are not modelled: "
-            "transformers' parallel styles shard nn.Linear weights, not bitsandbytes' packed ones. Use --tp 1."
-        )
+    _refuse_quantized_tensor_parallel(layout, setup)
     if not setup.dequantize:
         refuse_with_tensor_parallelism(config)
     tensor = TensorParallel.for_inference(layout.tp)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from tracer.errors import UserError
 from tracer.graph import StepGraph, StorageRow, replaced
-from tracer.modules import LOOP, enclosing_block
+from tracer.modules import LOOP, enclosing_block, within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 from tracer.training import TrainingSetup
@@ -175,9 +175,9 @@ class _Stage:
         if block is not None:
             return block in self.blocks
         embedding = structure.input_embedding
-        if embedding and (module == embedding or module.startswith(embedding + ".")):
+        if embedding and within(module, embedding):
             return self.plan.first
-        if module == LOOP or module in self.parameter_modules or _within(self.head, module):
+        if module == LOOP or module in self.parameter_modules or within(self.head, module):
             return self.plan.last
         return True
 
@@ -354,8 +354,3 @@ class _Stage:
         if self.plan.schedule == "gpipe":
             return self.span[following][0] - 1
         return self.span[following][-1]
-
-
-def _within(path: str, module: str) -> bool:
-    """Whether ``module`` is ``path`` or one of the modules around it (the model itself is "")."""
-    return module == path or module == "" or path.startswith(module + ".")

@@ -47,6 +47,7 @@ from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
 from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow
+from tracer.modules import within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 from tracer.training import TrainingSetup
@@ -403,7 +404,7 @@ class _TensorParallel:
     def input_share(self, op, storage_id: int) -> _Share:
         """What ``op`` reads: a sequence slice gathered for a module is full inside it."""
         scope = self.gathered.get(storage_id)
-        if scope is not None and _within(op.module, scope):
+        if scope is not None and within(op.module, scope):
             return _REPLICATED
         return self.share.get(storage_id, _REPLICATED)
 
@@ -422,7 +423,7 @@ class _TensorParallel:
         module's output hook, before leaving it frees anything: right after its last op that allocated. In
         backward it runs in the next autograd node, after the module's nodes released what they saved."""
         for storage_id, (scope, last) in list(self.pending.items()):
-            if _within(op.module, scope):
+            if within(op.module, scope):
                 if any(self.step.storages[s].producer == op.index for s in op.outputs):
                     self.pending[storage_id] = (scope, op)
                 continue
@@ -472,7 +473,7 @@ class _TensorParallel:
             return
         for storage_id in op.inputs:
             row = self.step.storages[storage_id]
-            made_inside = row.producer is not None and _within(self.step.ops[row.producer].module, gatherer)
+            made_inside = row.producer is not None and within(self.step.ops[row.producer].module, gatherer)
             if made_inside or not self.input_share(op, storage_id).sequence:
                 continue
             if op.runs_forward:
@@ -491,7 +492,7 @@ class _TensorParallel:
         cat = self._all_gather_sequence(op, row)
         _, last = self.rw.lifetime(storage_id)
         saved = any(
-            not self.step.ops[user].runs_forward and _within(self.step.ops[user].module, module) for user in row.users
+            not self.step.ops[user].runs_forward and within(self.step.ops[user].module, module) for user in row.users
         )
         end = last if saved else Point(self._run_end(op.index, module), 0)
         self.rw.add(row.nbytes, row.role if saved else Role.TEMPORARY, cat, end, "gathered sequence", row.dtype)
@@ -504,9 +505,9 @@ class _TensorParallel:
         """The gathered gradient lives while the module's backward reads it; the slice as before."""
         row = self.step.storages[storage_id]
         cat = self._all_gather_sequence(op, row)
-        inside = [user for user in row.users if user >= op.index and _within(self.step.ops[user].module, module)]
+        inside = [user for user in row.users if user >= op.index and within(self.step.ops[user].module, module)]
         self.rw.add(row.nbytes, Role.TEMPORARY, cat, Point(max(inside), 0), "gathered gradient", row.dtype)
-        if all(_within(self.step.ops[user].module, module) for user in row.users if user >= op.index):
+        if all(within(self.step.ops[user].module, module) for user in row.users if user >= op.index):
             self.rw.retime(storage_id, last=cat)
 
     def _all_gather_sequence(self, op, row: StorageRow) -> Point:
@@ -656,7 +657,7 @@ class _TensorParallel:
         end = index
         while end + 1 < len(self.step.ops):
             following = self.step.ops[end + 1]
-            if not following.runs_forward or not _within(following.module, scope):
+            if not following.runs_forward or not within(following.module, scope):
                 break
             end += 1
         return end
@@ -669,10 +670,6 @@ class _TensorParallel:
 def _compiled(pattern: str) -> re.Pattern[str]:
     """A plan's module pattern ("model.layers.*.mlp") as a regular expression ("*" is a layer index)."""
     return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
-
-
-def _within(module: str, scope: str) -> bool:
-    return scope == "" or module == scope or module.startswith(scope + ".")
 
 
 def _scaled(nbytes: int, fraction: Fraction) -> int:

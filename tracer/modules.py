@@ -154,6 +154,11 @@ def output_layer(model: nn.Module) -> nn.Module | None:
     return linears[-1] if linears else None
 
 
+def within(module: str, scope: str) -> bool:
+    """Whether the module at path ``module`` is ``scope`` or lies in it (every module lies in the model, "")."""
+    return scope == "" or module == scope or module.startswith(scope + ".")
+
+
 def enclosing_block(path: str, blocks: Container[str]) -> str | None:
     """The block of ``blocks`` that the module or parameter at ``path`` lies in (or is), if any."""
     parts = path.split(".")

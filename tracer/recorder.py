@@ -9,6 +9,7 @@ exactly as eager execution frees it. The same recorder runs on fake tensors (the
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -84,10 +85,8 @@ class StepRecorder(TorchDispatchMode):
         """Count an existing storage as ``shape`` of ``dtype``: a weight the step reads in 16 bits that the
         GPU holds in its checkpoint's quantized format (tracer/published.py)."""
         storage = self._storage_of(tensor, created_at=None)
-        numel = 1
-        for size in shape:
-            numel *= size
-        storage.nbytes, storage.shape, storage.dtype = numel * dtype.itemsize, shape, str(dtype).removeprefix("torch.")
+        storage.nbytes = math.prod(shape) * dtype.itemsize
+        storage.shape, storage.dtype = shape, str(dtype).removeprefix("torch.")
 
     def track_created(self, tensor: torch.Tensor, role: Role, name: str) -> None:
         """Register a storage made while paused, as made just before the next recorded op."""

@@ -8,6 +8,11 @@ GIB = 1024**3
 MIB = 1024**2
 
 
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``: the padding kernels and allocators apply."""
+    return -(-value // multiple) * multiple
+
+
 def format_bytes(nbytes: int, decimals: int = 3) -> str:
     """Binary units, three decimals unless told: "12.345 GiB", "512.000 MiB", "4.0 KiB"."""
     if abs(nbytes) >= GIB:

@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer.gpus import Gpu
+from tracer.units import round_up
 
 KIB = 1024
 
@@ -33,16 +34,12 @@ def cublas_workspace_bytes(gpu: Gpu) -> int:
     return 4096 * KIB * 2 + 16 * KIB * 8
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def flash_backward_scratch(query: torch.Tensor, key: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes ``mha_bwd`` allocates besides dq, dk, dv. ``query`` is (B, H, L, D)."""
     batch, heads, seq_q, head_dim = query.shape
-    head_size = _round_up(head_dim, 8)
-    head_size_rounded = _round_up(head_size, 32 if head_size <= 128 else 64)
-    seq_q_rounded = _round_up(seq_q, 128)
+    head_size = round_up(head_dim, 8)
+    head_size_rounded = round_up(head_size, 32 if head_size <= 128 else 64)
+    seq_q_rounded = round_up(seq_q, 128)
     scratch = [
         ((batch, heads, seq_q_rounded), torch.float32),  # softmax_d
         ((batch, seq_q_rounded, heads, head_size_rounded), torch.float32),  # dq_accum
