@@ -13,6 +13,10 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
 * ``colwise_gather_output`` (``ColwiseParallel(output_layouts=Replicate())``): ``colwise`` whose output
   is gathered: ``all_gather_into_tensor`` into a (ranks x slice) buffer, then ``cat`` into the full tensor.
   In backward the full gradient is split back to the rank's slice (a contiguous copy).
+* ``moe_tp_experts`` on a MoE layer's experts (transformers' ``MoeExpertsParallel``), with ``packed_colwise`` on
+  their ``gate_up_proj`` (``PackedColwiseParallel``: the gate and up halves each split along the intermediate
+  dimension) and ``rowwise`` on their ``down_proj`` (split along it too): every rank runs every expert on its
+  slice of the intermediate dimension, and sums the partial outputs with an in-place all-reduce.
 
 Activations follow from the weights: the step is walked in op order and each new storage gets the share
 of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a slice from a full input,
@@ -59,7 +63,11 @@ COLWISE = "colwise"
 ROWWISE = "rowwise"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 COLWISE_GATHER_OUTPUT = "colwise_gather_output"
+PACKED_COLWISE = "packed_colwise"
+MOE_TP_EXPERTS = "moe_tp_experts"
 STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT)
+# The styles of a MoE layer's experts: the module's, and its packed expert weights' (3-D parameters named in the plan).
+MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE)
 # transformers' style for a parameter every rank holds whole (Qwen3's and Gemma 3's q/k norms, which see the rank's
 # heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
@@ -67,8 +75,22 @@ REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 # Which dimension of a style's weight and bias is split (None: replicated).
 _WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, EMBEDDING_ROWWISE: 0}
 _BIAS_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: None, EMBEDDING_ROWWISE: None}
+# Which dimension of an expert weight (experts x out x in, a parameter the plan names) is split: PackedColwiseParallel's
+# output features, RowwiseParallel's Shard(-1).
+_EXPERT_WEIGHT_DIM = {PACKED_COLWISE: 1, ROWWISE: 2}
+# Projections whose output holds the keys: a plan that splits one column-wise splits the cache's heads too
+# (transformers' get_kv_heads_per_rank, distributed/tensor_parallel.py).
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
 
-_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.baddbmm.default"})
+_MATMULS = frozenset(
+    {
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.bmm.default",
+        "aten.baddbmm.default",
+        "aten._grouped_mm.default",  # transformers' grouped_mm experts
+    }
+)
 _EMBEDDING = "aten.embedding.default"
 _EMBEDDING_BACKWARD = "aten.embedding_dense_backward.default"
 _LOG_SOFTMAX = "aten._log_softmax.default"
@@ -113,28 +135,34 @@ class TensorParallel:
 
     def check(self, config: PretrainedConfig) -> None:
         """Refuse a model this degree cannot split."""
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % self.degree:
-            raise UserError(f"--tp {self.degree} must divide the {heads} attention heads of this model.")
-        if kv_heads % self.degree:
-            raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         plan = getattr(config, "base_model_tp_plan", None) or {}
         name = type(config).__name__.removesuffix("Config")
         if not plan:
             raise UserError(
                 f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
                 "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Qwen3, Gemma-2, "
-                "Gemma 3, SmolLM3, GPT-NeoX/Pythia); use --tp 1."
+                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, and Qwen3-MoE, Mixtral, DeepSeek-V3 at inference); use --tp 1."
             )
+        if splits_key_heads(plan):
+            heads = config.num_attention_heads
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            if heads % self.degree:
+                raise UserError(f"--tp {self.degree} must divide the {heads} attention heads of this model.")
+            if kv_heads % self.degree:
+                raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
-        modelled = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
+        modelled = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE, *MOE_STYLES)
         unsupported = sorted({style for style in plan.values() if style not in modelled})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
-                "(only colwise and rowwise layers are); use --tp 1."
+                "(only colwise, rowwise and MoE experts' layers are); use --tp 1."
+            )
+        if not self.inference and any(style in MOE_STYLES for style in plan.values()):
+            raise UserError(
+                f"--tp: {name}'s plan splits its MoE experts (moe_tp_experts), which is modelled for --mode inference "
+                "(transformers' runtime), not for training yet; use --tp 1."
             )
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
@@ -151,6 +179,11 @@ class TensorParallel:
             plan = dataclasses.replace(plan, reduce_in_place=True)
             return recorded(tensor_parallel(step, plan), inference_all_reduce(step))
         return recorded(tensor_parallel(step, plan), activation_all_reduce(step))
+
+
+def splits_key_heads(styles: Mapping[str, str]) -> bool:
+    """Whether a plan splits the attention heads, and with them each rank's key/value cache."""
+    return any(pattern.rpartition(".")[2] in _KEY_PROJECTIONS and style == COLWISE for pattern, style in styles.items())
 
 
 def activation_all_reduce(step: StepGraph) -> Collective:
@@ -216,10 +249,10 @@ def megatron_plan(
             "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
     for pattern, style in styles.items():
-        if style not in (COLWISE, ROWWISE):
+        if style not in (COLWISE, ROWWISE, *MOE_STYLES):
             raise UserError(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
-                "not modelled (only colwise and rowwise are); use --tp 1."
+                "not modelled (only colwise, rowwise and MoE experts' layers are); use --tp 1."
             )
     if structure.input_embedding:
         styles[structure.input_embedding] = EMBEDDING_ROWWISE
@@ -237,7 +270,7 @@ class _Share:
     length: int = 1
     partial: bool = False  # full size, but a partial sum until all-reduced
     parameter: str | None = None  # the split parameter this is (or a view, copy or cast of)
-    matrix: bool = False  # the parameter is a 2-D weight
+    matrix: bool = False  # the parameter is a weight (2-D, or 3-D experts), not a bias
     sequence: bool = False  # split along the sequence (sequence parallelism), not the features
 
     @property
@@ -296,7 +329,8 @@ class _TensorParallel:
         self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
         self._styles: dict[str, str | None] = {}
         self._gatherers: dict[tuple[bool, str], str | None] = {}
-        self._cache_share = _Share(1, plan.degree)  # this rank's key/value heads (they divide evenly)
+        # this rank's key/value heads (they divide evenly), or all of them when the plan leaves attention whole
+        self._cache_share = _Share(1, plan.degree) if splits_key_heads(plan.styles) else _REPLICATED
 
     def build(self) -> StepGraph:
         self.shard_parameters()
@@ -316,14 +350,12 @@ class _TensorParallel:
         for row in self.step.storages.values():
             if row.role is not Role.PARAMETER or row.param is None:
                 continue
-            module, _, leaf = row.param.rpartition(".")
-            style = self.plan.style_of(module)
-            dim = (_WEIGHT_DIM if leaf == "weight" else _BIAS_DIM).get(style) if style else None
+            dim = self._split_dim(row)
             if dim is None or dim >= len(row.shape):
                 continue
             length = row.shape[dim]
             local = chunk_length(length, self.plan.degree, self.plan.rank)
-            self.param_share[row.param] = _Share(local, length, parameter=row.param, matrix=len(row.shape) == 2)
+            self.param_share[row.param] = _Share(local, length, parameter=row.param, matrix=len(row.shape) >= 2)
             self.param_shape[row.param] = (*row.shape[:dim], local, *row.shape[dim + 1 :])
         for row in self.step.storages.values():
             if row.role is Role.KV_CACHE:  # made by any op, or before the traced decode step
@@ -350,6 +382,23 @@ class _TensorParallel:
             elif row.name.endswith(GRADIENT_SHAPED_STATE):
                 share = gradient.get(row.param, share).slice()
             self.share[row.id] = self.size[row.id] = share.slice()
+
+    def _split_dim(self, row: StorageRow) -> int | None:
+        """The dimension of a parameter the plan splits: by its module's style, or, for experts' weights, by the
+        style the plan gives the parameter itself."""
+        style = self.plan.style_of(row.param)
+        if style is not None and len(row.shape) == 3:
+            dim = _EXPERT_WEIGHT_DIM.get(style)
+            halves = 2 if style == PACKED_COLWISE else 1  # the gate and up halves split alike
+            if dim is not None and row.shape[dim] % (halves * self.plan.degree):
+                raise UserError(
+                    f"--tp {self.plan.degree} must divide the experts' intermediate size ({row.shape[dim] // halves}) "
+                    f"of {row.param}."
+                )
+            return dim
+        module, _, leaf = row.param.rpartition(".")
+        style = self.plan.style_of(module)
+        return (_WEIGHT_DIM if leaf == "weight" else _BIAS_DIM).get(style) if style else None
 
     @cached_property
     def _param_rows(self) -> dict[str, int]:
@@ -452,7 +501,10 @@ class _TensorParallel:
 
     def _reduced_in_place(self, module: str) -> bool:
         """transformers' local inference kernel of a row-wise Linear: ``dist.all_reduce`` on its own output; with
-        a bias, ``output + bias`` then takes over from it, as a new buffer would."""
+        a bias, ``output + bias`` then takes over from it, as a new buffer would. MoE experts always reduce theirs
+        in place."""
+        if self._style(module) == MOE_TP_EXPERTS:  # MoeExpertsParallel's _AllReduceForward, in training too
+            return True
         if not self.plan.reduce_in_place or self._style(module) != ROWWISE:
             return False
         return f"{module}.bias" not in self._param_rows

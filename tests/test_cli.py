@@ -287,7 +287,7 @@ def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     ("family", "message"),
     [
         ("gpt2", "transformers defines none for GPT2"),
-        ("mixtral", "packed_colwise"),
+        ("mixtral", "modelled for --mode inference"),
         ("phi3", "colwise_gather_output"),
     ],
 )
