@@ -464,6 +464,15 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         'degree is gpus / tp. With --mode inference, transformers\' tp_plan="auto" over all --gpus',
     )
     group.add_argument(
+        "--ep",
+        type=count(),
+        default=1,
+        help="expert-parallel degree of a MoE model: each GPU holds 1/ep of every MoE layer's experts, whole. "
+        "With --mode inference it equals --tp, as transformers runs it (DistributedConfig(tp_size=N, ep_size=N): "
+        "each GPU runs its experts on the whole batch and the outputs are all-reduced); not modelled in "
+        "training yet (default 1)",
+    )
+    group.add_argument(
         "--pp",
         type=count(),
         default=1,
@@ -617,6 +626,7 @@ def layout_of(args: argparse.Namespace):
     return Layout(
         gpus=args.gpus,
         tp=args.tp,
+        ep=args.ep,
         pp=args.pp,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,

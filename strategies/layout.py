@@ -41,6 +41,7 @@ class Layout:
 
     gpus: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism: MoE layers' experts split whole over this many of the tensor-parallel ranks
     pp: int = 1
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: as many as stages
@@ -58,6 +59,8 @@ class Layout:
             raise UserError(f"--tp must be at least 1 (got {self.tp}).")
         if self.pp < 1:
             raise UserError(f"--pp must be at least 1 (got {self.pp}).")
+        if self.ep < 1:
+            raise UserError(f"--ep must be at least 1 (got {self.ep}).")
         if self.gpus % (self.tp * self.pp):
             split = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp}"
             degree = "gpus / tp" if self.pp == 1 else "gpus / (tp x pp)"
@@ -148,7 +151,8 @@ class Layout:
         if self.tp > 1:
             sequence = " with sequence parallelism" if self.sequence_parallel else ""
             gathered = ", gathered logits" if self.tp_output == "gathered" else ""
-            parts.append(f"tensor parallel {self.tp}{sequence}{gathered}")
+            experts = f", experts expert parallel {self.ep}" if self.ep > 1 else ""
+            parts.append(f"tensor parallel {self.tp}{sequence}{gathered}{experts}")
         runtime = data_parallel(self)
         if runtime is not None:
             parts.append(f"{runtime.name} over {self.dp}" if self.dp > 1 else runtime.name)
@@ -258,6 +262,11 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     against the traced model when the plan is applied."""
     if setup.mode == "inference":
         return _prepare_inference(layout, setup, config)
+    if layout.ep > 1:
+        raise UserError(
+            "--ep is modelled for --mode inference (transformers' DistributedConfig(tp_size=N, ep_size=N)); expert "
+            "parallelism in training, whose all-to-all exchanges depend on the routing, is not modelled yet."
+        )
     if layout.engine == "deepspeed":
         hidden_size = getattr(config, "hidden_size", None)
         layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(hidden_size))
@@ -314,6 +323,11 @@ def _refuse_quantized_tensor_parallel(layout: Layout, setup: TrainingSetup) -> N
 
 def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
     """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
+    if layout.ep not in (1, layout.tp):
+        raise UserError(
+            f"--ep {layout.ep} at inference must equal --tp {layout.tp}: transformers runs expert parallelism over the "
+            "tensor-parallel GPUs, which share each batch (AllReduceEP)."
+        )
     if layout.tp != layout.gpus or layout.zero or layout.offload or layout.sequence_parallel:
         raise UserError(
             "--mode inference is modelled on one GPU, or tensor parallel over all of them (--gpus N --tp N, "
@@ -325,8 +339,13 @@ def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedC
     _refuse_quantized_tensor_parallel(layout, setup)
     if not setup.dequantize:
         refuse_with_tensor_parallelism(config)
-    tensor = TensorParallel.for_inference(layout.tp)
+    expert_parallel = layout.ep > 1
+    if expert_parallel and config is not None and not getattr(config, "base_model_ep_plan", None):
+        name = type(config).__name__.removesuffix("Config")
+        raise UserError(f"--ep: transformers defines no expert-parallel plan for {name}; use --ep 1.")
+    tensor = TensorParallel.for_inference(layout.tp, expert_parallel)
     if config is not None:
         tensor.check(config)
-    assumptions = {"layout": f"{layout.gpus} GPUs: tensor parallel {layout.tp}", "tensor_parallel": tensor.note}
-    return PreparedLayout(layout, setup, setup, tensor, assumptions=assumptions)
+    traced = dataclasses.replace(setup, expert_parallel=layout.ep) if expert_parallel else setup
+    assumptions = {"layout": layout.describe(), "tensor_parallel": tensor.note}
+    return PreparedLayout(layout, setup, traced, tensor, assumptions=assumptions)

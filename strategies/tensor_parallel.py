@@ -39,11 +39,10 @@ embedding's: they hold a few bytes per token, against the logits' vocabulary-siz
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import cache, cached_property
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
@@ -51,7 +50,7 @@ from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
 from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow
-from tracer.modules import within
+from tracer.modules import plan_pattern, within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
 from tracer.training import TrainingSetup
@@ -108,19 +107,28 @@ class TensorParallel:
     sequence_parallel: bool = False
     gathered_output: bool = False
     inference: bool = False  # transformers' runtime under no_grad (tp_plan="auto"), not parallelize_module
+    expert_parallel: bool = False  # the experts are split whole over the same ranks (ep_plan), not by this plan
 
     @classmethod
-    def for_inference(cls, degree: int) -> TensorParallel:
-        """``from_pretrained(tp_plan="auto", tp_size=degree)``: its plan gathers the lm_head's output."""
-        return cls(degree, gathered_output=True, inference=True)
+    def for_inference(cls, degree: int, expert_parallel: bool = False) -> TensorParallel:
+        """``from_pretrained(tp_plan="auto", tp_size=degree)``: its plan gathers the lm_head's output. With
+        ``expert_parallel``, ``DistributedConfig(tp_size=degree, ep_size=degree)``, whose ep_plan takes the
+        experts over from the tp_plan."""
+        return cls(degree, gathered_output=True, inference=True, expert_parallel=expert_parallel)
 
     @property
     def note(self) -> str:
         if self.inference:
+            experts = (
+                f"; the MoE experts split whole (ep_size={self.degree}, AllReduceEP: each GPU holds 1/{self.degree} "
+                "of them and runs them on the whole batch, the outputs all-reduced in place)"
+                if self.expert_parallel
+                else ""
+            )
             return (
                 f'transformers from_pretrained(tp_plan="auto", tp_size={self.degree}): the model\'s TP plan for the '
                 "decoder layers (row-wise outputs all-reduced in place), vocabulary-parallel embedding, lm_head "
-                f"output gathered to the full vocabulary; each GPU caches 1/{self.degree} of the key/value heads"
+                "output gathered to the full vocabulary; each GPU caches its share of the key/value heads" + experts
             )
         loss = (
             "lm_head output all-gathered to the full vocabulary on every GPU"
@@ -174,7 +182,9 @@ class TensorParallel:
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         sequence = setup.seq_len if self.sequence_parallel else None
-        plan = megatron_plan(step.structure, self.degree, rank, self.gathered_output, sequence_length=sequence)
+        plan = megatron_plan(
+            step.structure, self.degree, rank, self.gathered_output, sequence, whole_experts=self.expert_parallel
+        )
         if self.inference:
             plan = dataclasses.replace(plan, reduce_in_place=True)
             return recorded(tensor_parallel(step, plan), inference_all_reduce(step))
@@ -221,13 +231,18 @@ class TpPlan:
 
     def style_of(self, module: str) -> str | None:
         for pattern, style in self.styles.items():
-            if _compiled(pattern).fullmatch(module):
+            if plan_pattern(pattern).fullmatch(module):
                 return style
         return None
 
 
 def megatron_plan(
-    structure: ModelStructure, degree: int, rank: int, gathered_output: bool, sequence_length: int | None = None
+    structure: ModelStructure,
+    degree: int,
+    rank: int,
+    gathered_output: bool,
+    sequence_length: int | None = None,
+    whole_experts: bool = False,
 ) -> TpPlan:
     """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
     embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With a
@@ -242,7 +257,10 @@ def megatron_plan(
         for pattern, style in structure.tp_plan.items()
         if pattern.startswith(layers) and style != REPLICATED_WITH_GRAD_ALLREDUCE
     }
-    if not styles:
+    if whole_experts:  # expert parallelism holds them: the experts' rules of the plan do not apply
+        experts = [pattern for pattern, style in styles.items() if style == MOE_TP_EXPERTS]
+        styles = {p: style for p, style in styles.items() if not any(p == e or p.startswith(e + ".") for e in experts)}
+    elif not styles:
         raise UserError(
             f"--tp needs a tensor-parallel plan for the decoder layers, and {structure.model_class} has none. "
             "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
@@ -577,7 +595,7 @@ class _TensorParallel:
             patterns = self.forward_gatherers if op.runs_forward else self.backward_gatherers
             parts = op.module.split(".")
             prefixes = (".".join(parts[:depth]) for depth in range(len(parts), 0, -1))
-            matches = (m for m in prefixes if any(_compiled(p).fullmatch(m) for p in patterns))
+            matches = (m for m in prefixes if any(plan_pattern(p).fullmatch(m) for p in patterns))
             self._gatherers[key] = next(matches, None)
         return self._gatherers[key]
 
@@ -716,12 +734,6 @@ class _TensorParallel:
 
     def _at(self, index: int) -> Point:
         return Point(index, 0)
-
-
-@cache
-def _compiled(pattern: str) -> re.Pattern[str]:
-    """A plan's module pattern ("model.layers.*.mlp") as a regular expression ("*" is a layer index)."""
-    return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
 
 
 def _scaled(nbytes: int, fraction: Fraction) -> int:

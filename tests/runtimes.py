@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 from analysis.allocator import block_size
 from analysis.measure import Generation
@@ -478,10 +479,15 @@ def _tensors_of(outputs) -> list[torch.Tensor]:
     return [getattr(holder, attribute) for *_, holder, attribute in output_slots(outputs)]
 
 
-def transformers_tp_generate_peak(model: ResolvedModel, setup: TrainingSetup, degree: int, rank: int = 0) -> int:
+def transformers_tp_generate_peak(
+    model: ResolvedModel, setup: TrainingSetup, degree: int, rank: int = 0, expert_parallel: bool = False
+) -> int:
     """transformers' own tensor-parallel inference: a checkpoint of the model loaded with
-    ``from_pretrained(tp_plan="auto", tp_size=degree)`` as ``rank`` of a fake process group, and ``generate()``
-    itself (``analysis.measure.Generation``) on real CPU tensors, after one warm-up generation.
+    ``from_pretrained(tp_plan="auto", tp_size=degree)`` (with ``expert_parallel``,
+    ``distributed_config=DistributedConfig(tp_size=degree, ep_size=degree)``) as ``rank`` of a fake process group,
+    and ``generate()`` itself (``analysis.measure.Generation``) on real CPU tensors, after one warm-up generation.
+    Expert parallelism at inference runs ``AllReduceEP``, whose memory does not depend on the routing: every rank
+    runs its experts on every routed token, masked or not.
 
     The peak is the CPU allocator's: what the rank holds before (its weight shards, buffers and the prompt) plus
     the highest running sum of the allocations and frees torch.profiler reports, each in the 512-byte blocks the
@@ -492,10 +498,12 @@ def transformers_tp_generate_peak(model: ResolvedModel, setup: TrainingSetup, de
     with tempfile.TemporaryDirectory() as directory:
         torch.manual_seed(0)
         model.build(setup).to(saved_dtype).save_pretrained(directory)
+        if expert_parallel:
+            parallel = {"distributed_config": DistributedConfig(tp_size=degree, ep_size=degree)}
+        else:
+            parallel = {"tp_plan": "auto", "tp_size": degree}
         with fake_process_group(degree, rank):
-            net = AutoModelForCausalLM.from_pretrained(
-                directory, dtype=setup.param_dtype, tp_plan="auto", tp_size=degree
-            ).eval()
+            net = AutoModelForCausalLM.from_pretrained(directory, dtype=setup.param_dtype, **parallel).eval()
             batch = model.batch(setup, "cpu")
             Generation(net, setup).run(batch)
             held = {

@@ -180,10 +180,13 @@ TP_HEADS = {
 TP_FAMILIES = ["llama", "gemma2", "gpt_neox", "qwen3", "qwen3_moe"]
 
 
-def _check_tensor_parallel(family: str, setup: TrainingSetup, degree: int, rank: int = 0, **overrides) -> None:
+def _check_tensor_parallel(
+    family: str, setup: TrainingSetup, degree: int, rank: int = 0, expert_parallel: bool = False, **overrides
+) -> None:
     model = tiny_model(family, **(TP_HEADS[degree] | overrides))
-    runtime = transformers_tp_generate_peak(model, setup, degree, rank)
-    reports = analyze(model, setup, Layout(gpus=degree, tp=degree)).ranks
+    runtime = transformers_tp_generate_peak(model, setup, degree, rank, expert_parallel)
+    layout = Layout(gpus=degree, tp=degree, ep=degree if expert_parallel else 1)
+    reports = analyze(model, setup, layout).ranks
     estimated = next(report for report in reports if report.rank.tp == rank)
     assert abs(estimated.peak_bytes - runtime) / runtime <= TOLERANCE, (estimated.peak_bytes, runtime)
 
@@ -222,6 +225,37 @@ def test_tensor_parallel_generate_over_four_ranks(family):
     setup = _inference(**DECODE_PEAK)
     _check_tensor_parallel(family, setup, 4)
     _check_tensor_parallel(family, setup, 4, rank=3, vocab_size=253)
+
+
+@pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_expert_parallel_generate_matches_transformers(family, shape):
+    """DistributedConfig(tp_size=2, ep_size=2): attention as the tp_plan splits it (gpt-oss's plan leaves it whole),
+    each rank half the experts, run on the whole batch with the other rank's routes masked (AllReduceEP)."""
+    _check_tensor_parallel(family, _inference(**shape), 2, expert_parallel=True)
+
+
+@pytest.mark.slow
+def test_expert_parallel_over_four_ranks_with_static_cache():
+    """One expert per rank; DeepSeek-V3 keeps its latent attention whole (decode-bound: limits.md)."""
+    _check_tensor_parallel("qwen3_moe", _inference(cache="static", **PREFILL_PEAK), 4, expert_parallel=True)
+    setup = _inference(cache="static", **DECODE_PEAK)
+    _check_tensor_parallel("deepseek_v3", setup, 4, expert_parallel=True, num_key_value_heads=16)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "mode", "message"),
+    [
+        ("qwen3_moe", Layout(gpus=2, tp=2, ep=2), "train", "modelled for --mode inference"),
+        ("qwen3_moe", Layout(gpus=2, tp=1, ep=2), "inference", "must equal --tp 1"),
+        ("llama", Layout(gpus=2, tp=2, ep=2), "inference", "no expert-parallel plan for Llama"),
+        ("qwen3_moe", Layout(gpus=8, tp=8, ep=8), "inference", "--ep 8 must divide the 4 experts"),
+    ],
+)
+def test_expert_parallel_refusals(family, layout, mode, message):
+    setup = _inference() if mode == "inference" else TrainingSetup(target=Target.CPU, seq_len=16)
+    with pytest.raises(UserError, match=message):
+        analyze(tiny_model(family, num_attention_heads=8, num_key_value_heads=8), setup, layout)
 
 
 def test_inference_refuses_data_parallel_layouts():

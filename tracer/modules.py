@@ -7,7 +7,9 @@ when the forward op that created it runs. Nothing here holds a tensor, so lifeti
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Container
+from functools import cache
 
 import torch
 from torch import nn
@@ -152,6 +154,13 @@ def output_layer(model: nn.Module) -> nn.Module | None:
         return None
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == embedding.num_embeddings]
     return linears[-1] if linears else None
+
+
+@cache
+def plan_pattern(pattern: str) -> re.Pattern[str]:
+    """A parallel plan's module or parameter pattern ("model.layers.*.mlp") as a regular expression ("*" is a layer
+    index), as transformers matches its tp, ep and fsdp plans."""
+    return re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
 
 
 def within(module: str, scope: str) -> bool:

@@ -26,6 +26,7 @@ from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
+from tracer.expert_parallel import shard_experts
 from tracer.gpus import find_gpu
 from tracer.inference import InferenceStep
 from tracer.layers import LayerPlan, plan_layers
@@ -74,7 +75,6 @@ def trace_step(
         except UserError:  # the cut model could not be traced; the whole one says why, or traces
             why += ": the model cut to a few layers could not be traced"
     trace, net = _record(model, setup, progress)
-    trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
     trace.structure = model_structure(net)
     trace.assumptions["decoder_layers"] = why
     return trace
@@ -124,6 +124,9 @@ def _record(
         net = (model if plan is None else replace(model, config=plan.cut)).build(setup)
         if plan is not None:
             plan.widen(net.config)
+        counts = count_parameters(net)  # the model's, not one expert-parallel rank's
+        if setup.expert_parallel > 1:
+            shard_experts(net, setup.expert_parallel)
         batch = model.batch(setup, "cpu")
         if setup.mode == "inference":
             optimizer, step = None, InferenceStep(net, model.config, setup)
@@ -165,6 +168,7 @@ def _record(
         del workspace, scales
 
     trace = recorder.trace()
+    trace.parameter_count, trace.trainable_parameter_count = counts
     if cuda:
         mark_host_storages(trace)
     config = None if model.config is None else net.config  # the one the model ran with

@@ -101,6 +101,8 @@ class TrainingSetup:
     logits_to_keep: int = 1  # inference prefill: logits of the last N positions (0: all); generate() passes 1
     # inference: a checkpoint published quantized (FP8, MXFP4) loaded dequantized to --dtype; training always is
     dequantize: bool = False
+    # the rank traced holds 1/N of each MoE layer's experts: set by the layout's --ep (tracer/expert_parallel.py)
+    expert_parallel: int = 1
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
@@ -198,4 +200,5 @@ class TrainingSetup:
         data["target"] = self.target.value
         for name in INFERENCE_ONLY if self.mode == "train" else TRAINING_ONLY:
             del data[name]
+        del data["expert_parallel"]  # the layout's (--ep), reported with it
         return data
