@@ -1,13 +1,15 @@
 """Inference: estimate vs. ``model.generate()`` itself, run eagerly on CPU, for every architecture family, both
 caches, prefill- and decode-bound generations, and quantized weights.
 
-    python -m benchmarks.inference_accuracy [--markdown] [--weights fp32 ...] [--tp 2]
+    python -m benchmarks.inference_accuracy [--markdown] [--weights fp32 ...] [--tp 2 [--ep]]
 
 Both sides run the same CPU kernels: ``analyze --target cpu`` traces on fake tensors; ``measure --target cpu``
 runs ``generate()`` (greedy, no stop token) with real tensors and counts live storages, as in
 ``benchmarks.cpu_accuracy``. With ``--tp N``, rank 0 of transformers' own tensor parallelism: a checkpoint loaded
 with ``from_pretrained(tp_plan="auto", tp_size=N)`` on a fake process group runs ``generate()``, and the CPU
-allocator's allocations are counted (``tests/runtimes.py``), for every family whose TP plan is modelled.
+allocator's allocations are counted (``tests/runtimes.py``), for every family whose TP plan is modelled. With
+``--ep`` too, the MoE families' experts are expert-parallel over the same ranks
+(``DistributedConfig(tp_size=N, ep_size=N)``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from runtimes import transformers_tp_generate_peak
-from test_inference import DECODE_PEAK, PREFILL_PEAK, TP_HEADS
+from test_inference import DECODE_PEAK, PREFILL_PEAK, TP_HEADS, tp_heads
 from tiny_models import FAMILIES, tiny_model
 
 from analysis.estimate import analyze
@@ -54,12 +56,17 @@ def main() -> None:
     parser.add_argument(
         "--tp", type=int, choices=sorted(TP_HEADS), default=1, help="rank 0 of transformers' tensor parallelism"
     )
+    parser.add_argument(
+        "--ep", action="store_true", help="with --tp: the MoE families' experts expert-parallel over the same ranks"
+    )
     args = parser.parse_args()
+    if args.ep and args.tp == 1:
+        parser.error("--ep needs --tp 2 or 4")
     transformers.logging.set_verbosity_error()
     rows, errors, start = [], [], time.time()
-    layout = Layout(gpus=args.tp, tp=args.tp)
+    layout = Layout(gpus=args.tp, tp=args.tp, ep=args.tp if args.ep else 1)
     for family in FAMILIES:
-        model = tiny_model(family, **TP_HEADS.get(args.tp, {}))
+        model = tiny_model(family, **(tp_heads(family, args.tp) if args.tp > 1 else {}))
         for cache in ("dynamic", "static"):
             for generation, lengths in GENERATIONS.items():
                 for weights in args.weights:
@@ -69,10 +76,10 @@ def main() -> None:
                     )
                     try:
                         estimate = analyze(model, setup, layout)
-                    except UserError:  # no modelled TP plan
+                    except UserError:  # no modelled TP plan (or EP plan)
                         continue
                     if args.tp > 1:
-                        measured = transformers_tp_generate_peak(model, setup, args.tp)
+                        measured = transformers_tp_generate_peak(model, setup, args.tp, expert_parallel=args.ep)
                     else:
                         measured = measure(model, setup).peak_bytes
                     error = (estimate.peak_bytes - measured) / measured

@@ -180,10 +180,18 @@ TP_HEADS = {
 TP_FAMILIES = ["llama", "gemma2", "gpt_neox", "qwen3", "qwen3_moe"]
 
 
+def tp_heads(family: str, degree: int) -> dict[str, int]:
+    """Heads for ``degree`` ranks; latent attention (DeepSeek-V3) has as many key/value heads as query heads."""
+    heads = TP_HEADS[degree]
+    if family == "deepseek_v3":
+        return {**heads, "num_key_value_heads": heads["num_attention_heads"]}
+    return heads
+
+
 def _check_tensor_parallel(
     family: str, setup: TrainingSetup, degree: int, rank: int = 0, expert_parallel: bool = False, **overrides
 ) -> None:
-    model = tiny_model(family, **(TP_HEADS[degree] | overrides))
+    model = tiny_model(family, **(tp_heads(family, degree) | overrides))
     runtime = transformers_tp_generate_peak(model, setup, degree, rank, expert_parallel)
     layout = Layout(gpus=degree, tp=degree, ep=degree if expert_parallel else 1)
     reports = analyze(model, setup, layout).ranks
@@ -215,7 +223,7 @@ def test_tensor_parallel_moe_without_attention_plan(cache):
     """DeepSeek-V3's plan splits its experts, shared experts and dense MLP, not its latent attention: every rank
     caches every head. Decode-bound: its prefill peaks in CPU's math attention, whose _safe_softmax allocates a
     mask of the scores' size inside the kernel, outside the dispatcher's view (limits.md)."""
-    _check_tensor_parallel("deepseek_v3", _inference(cache=cache, **DECODE_PEAK), 2, num_key_value_heads=8)
+    _check_tensor_parallel("deepseek_v3", _inference(cache=cache, **DECODE_PEAK), 2)
 
 
 @pytest.mark.slow
@@ -240,7 +248,7 @@ def test_expert_parallel_over_four_ranks_with_static_cache():
     """One expert per rank; DeepSeek-V3 keeps its latent attention whole (decode-bound: limits.md)."""
     _check_tensor_parallel("qwen3_moe", _inference(cache="static", **PREFILL_PEAK), 4, expert_parallel=True)
     setup = _inference(cache="static", **DECODE_PEAK)
-    _check_tensor_parallel("deepseek_v3", setup, 4, expert_parallel=True, num_key_value_heads=16)
+    _check_tensor_parallel("deepseek_v3", setup, 4, expert_parallel=True)
 
 
 @pytest.mark.parametrize(
