@@ -14,7 +14,7 @@ from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from tracer.graph import build_graph
 from tracer.optimizers import AdamW8bit
-from tracer.quantization import Linear4bit, Linear8bitLt
+from tracer.quantization import Linear4bit, Linear8bitLt, quantize_base_weights
 from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
@@ -150,6 +150,28 @@ def test_quantized_base_runs_and_keeps_the_adapters_trainable(family, quantize):
     report = analyze(tiny_model(family), setup)
     assert 0 < report.trainable_parameter_count < report.parameter_count / 5
     assert report.breakdown["gradients"] < report.breakdown["parameters"]
+
+
+@pytest.mark.parametrize("family", ["llama4_text", "gpt2", "qwen3_moe"])
+def test_quantized_modules_are_those_transformers_converts(family):
+    """transformers' own replace_with_bnb_linear picks the layers: exactly nn.Linear (Llama 4's router, an
+    nn.Linear subclass returning a tuple, and the MoE experts' 3-D weights stay) and GPT-2's Conv1D."""
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    setup = TrainingSetup(dtype="bf16")
+    ours = tiny_model(family).build(setup)
+    quantize_base_weights(ours, "nf4")
+    with torch.device("meta"):
+        theirs = tiny_model(family).build(setup)
+    config = BitsAndBytesConfig(load_in_4bit=True)
+    replace_with_bnb_linear(theirs, get_keys_to_not_convert(theirs), config)
+
+    def quantized(model: torch.nn.Module) -> set[str]:
+        return {name for name, module in model.named_modules() if "4bit" in type(module).__name__}
+
+    assert quantized(ours) == quantized(theirs) != set()
 
 
 @pytest.mark.parametrize(

@@ -24,12 +24,12 @@ NESTED_CODE_SIZE = 256  # the dynamic map of the nested quantization, float32
 
 def quantize_base_weights(model: nn.Module, kind: str) -> None:
     """Replace the decoder layers' linear layers by quantized ones, as ``load_in_4bit`` / ``load_in_8bit``
-    do (``replace_with_bnb_linear``: ``nn.Linear`` and GPT-2's ``Conv1D``; the lm_head stays in full
-    precision)."""
+    do (``replace_with_bnb_linear``: modules whose type is exactly ``nn.Linear``, not a subclass such as Llama 4's
+    router, and GPT-2's ``Conv1D``; the lm_head stays in full precision)."""
     output = output_layer(model)
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
-            if child is output or not isinstance(child, nn.Linear | Conv1D):
+            if child is output or not (type(child) is nn.Linear or isinstance(child, Conv1D)):
                 continue
             weight = child.weight if isinstance(child, nn.Linear) else child.weight.t()  # Conv1D is (in, out)
             linear = _Shape(weight, child.bias)
