@@ -13,6 +13,10 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
 * ``colwise_gather_output`` (``ColwiseParallel(output_layouts=Replicate())``): ``colwise`` whose output
   is gathered: ``all_gather_into_tensor`` into a (ranks x slice) buffer, then ``cat`` into the full tensor.
   In backward the full gradient is split back to the rank's slice (a contiguous copy).
+* ``rowwise_split_input`` (``RowwiseParallel(input_layouts=Replicate())``): ``rowwise`` whose input arrives
+  whole: each rank copies out its slice of the input features (DTensor's ``Replicate -> Shard(-1)``) for its
+  matmul. With ``colwise_gather_output`` before it (Phi-3's fused projections), every rank runs the attention
+  and MLP on all heads and features, and caches every key/value head; only the weights are split. Inference only.
 * ``moe_tp_experts`` on a MoE layer's experts (transformers' ``MoeExpertsParallel``), with ``packed_colwise`` on
   their ``gate_up_proj`` (``PackedColwiseParallel``: the gate and up halves each split along the intermediate
   dimension) and ``rowwise`` on their ``down_proj`` (split along it too): every rank runs every expert on its
@@ -62,18 +66,21 @@ COLWISE = "colwise"
 ROWWISE = "rowwise"
 EMBEDDING_ROWWISE = "embedding_rowwise"
 COLWISE_GATHER_OUTPUT = "colwise_gather_output"
+ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
 MOE_TP_EXPERTS = "moe_tp_experts"
 STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT)
 # The styles of a MoE layer's experts: the module's, and its packed expert weights' (3-D parameters named in the plan).
 MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE)
+# Decoder-layer styles that gather a layer's output or take its input whole (Phi-3, OLMoE): modelled at inference.
+WHOLE_ACTIVATION_STYLES = (COLWISE_GATHER_OUTPUT, ROWWISE_SPLIT_INPUT)
 # transformers' style for a parameter every rank holds whole (Qwen3's and Gemma 3's q/k norms, which see the rank's
 # heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 # Which dimension of a style's weight and bias is split (None: replicated).
-_WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, EMBEDDING_ROWWISE: 0}
-_BIAS_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: None, EMBEDDING_ROWWISE: None}
+_WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, ROWWISE_SPLIT_INPUT: 1, EMBEDDING_ROWWISE: 0}
+_BIAS_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: None, ROWWISE_SPLIT_INPUT: None, EMBEDDING_ROWWISE: None}
 # Which dimension of an expert weight (experts x out x in, a parameter the plan names) is split: PackedColwiseParallel's
 # output features, RowwiseParallel's Shard(-1).
 _EXPERT_WEIGHT_DIM = {PACKED_COLWISE: 1, ROWWISE: 2}
@@ -160,16 +167,24 @@ class TensorParallel:
                 raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
-        modelled = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE, *MOE_STYLES)
+        modelled = (
+            COLWISE,
+            ROWWISE,
+            EMBEDDING_ROWWISE,
+            REPLICATED_WITH_GRAD_ALLREDUCE,
+            *MOE_STYLES,
+            *WHOLE_ACTIVATION_STYLES,
+        )
         unsupported = sorted({style for style in plan.values() if style not in modelled})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
-                "(only colwise, rowwise and MoE experts' layers are); use --tp 1."
+                "(only colwise, rowwise, their gathered variants and MoE experts' layers are); use --tp 1."
             )
-        if not self.inference and any(style in MOE_STYLES for style in plan.values()):
+        inference_only = sorted({style for style in plan.values() if style in (*MOE_STYLES, *WHOLE_ACTIVATION_STYLES)})
+        if not self.inference and inference_only:
             raise UserError(
-                f"--tp: {name}'s plan splits its MoE experts (moe_tp_experts), which is modelled for --mode inference "
+                f"--tp: {name}'s plan uses {', '.join(inference_only)}, which is modelled for --mode inference "
                 "(transformers' runtime), not for training yet; use --tp 1."
             )
 
@@ -183,7 +198,13 @@ class TensorParallel:
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         sequence = setup.seq_len if self.sequence_parallel else None
         plan = megatron_plan(
-            step.structure, self.degree, rank, self.gathered_output, sequence, whole_experts=self.expert_parallel
+            step.structure,
+            self.degree,
+            rank,
+            self.gathered_output,
+            sequence,
+            whole_experts=self.expert_parallel,
+            inference=self.inference,
         )
         if self.inference:
             plan = dataclasses.replace(plan, reduce_in_place=True)
@@ -243,6 +264,7 @@ def megatron_plan(
     gathered_output: bool,
     sequence_length: int | None = None,
     whole_experts: bool = False,
+    inference: bool = False,
 ) -> TpPlan:
     """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
     embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With a
@@ -266,11 +288,13 @@ def megatron_plan(
             "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
             "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
+    modelled = (COLWISE, ROWWISE, *MOE_STYLES, *(WHOLE_ACTIVATION_STYLES if inference else ()))
     for pattern, style in styles.items():
-        if style not in (COLWISE, ROWWISE, *MOE_STYLES):
+        if style not in modelled:
             raise UserError(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
-                "not modelled (only colwise, rowwise and MoE experts' layers are); use --tp 1."
+                f"not modelled ({'' if inference else 'in training '}only colwise, rowwise and MoE experts' layers "
+                "are); use --tp 1."
             )
     if structure.input_embedding:
         styles[structure.input_embedding] = EMBEDDING_ROWWISE
@@ -445,7 +469,11 @@ class _TensorParallel:
         if op.target in _MATMULS and weights:
             weight = weights[0]
             self.module_weight.setdefault(op.module, weight)
-            out = _Share(partial=True) if any(share.sliced for share in activations) else weight.slice()
+            if style == ROWWISE_SPLIT_INPUT and not any(share.sliced for share in activations):
+                self.split_input(op, weight)
+                out = _Share(partial=True)
+            else:
+                out = _Share(partial=True) if any(share.sliced for share in activations) else weight.slice()
         elif op.target == _EMBEDDING and weights:
             out = _Share(partial=True)
         elif op.target == _EMBEDDING_BACKWARD:  # DTensor has no vocabulary-sharded strategy for it
@@ -467,6 +495,17 @@ class _TensorParallel:
                 self.pending[storage_id] = (self.partial_scope(op), op)
             elif style == COLWISE_GATHER_OUTPUT and op.runs_forward and op.target in _MATMULS:
                 self.all_gather(op, storage_id)
+
+    def split_input(self, op, weight: _Share) -> None:
+        """``rowwise_split_input``: the rank's slice of the whole input, copied out before the matmul and held
+        until the module returns."""
+        row = max(
+            (self.step.storages[s] for s in op.inputs if not self.share.get(s, _REPLICATED).parameter),
+            key=lambda row: row.nbytes,
+        )
+        point = self.rw.before(op.index, "tp.split_input", op.module, op.phase)
+        end = Point(self._run_end(op.index, op.module), 0)
+        self.rw.add(self._bytes(row, weight.slice()), Role.TEMPORARY, point, end, "input slice", row.dtype)
 
     def input_share(self, op, storage_id: int) -> _Share:
         """What ``op`` reads: a sequence slice gathered for a module is full inside it."""
@@ -523,7 +562,7 @@ class _TensorParallel:
         in place."""
         if self._style(module) == MOE_TP_EXPERTS:  # MoeExpertsParallel's _AllReduceForward, in training too
             return True
-        if not self.plan.reduce_in_place or self._style(module) != ROWWISE:
+        if not self.plan.reduce_in_place or self._style(module) not in (ROWWISE, ROWWISE_SPLIT_INPUT):
             return False
         return f"{module}.bias" not in self._param_rows
 

@@ -217,6 +217,14 @@ def test_tensor_parallel_generate_matches_transformers(family, shape, cache, req
     _check_tensor_parallel(family, _inference(cache=cache, **shape), 2)
 
 
+@pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
+def test_tensor_parallel_gathered_projections(shape):
+    """Phi-3's plan: the fused qkv and gate_up projections gathered (colwise_gather_output), the o and down
+    projections slicing their whole input (rowwise_split_input); every rank caches every key/value head. A wide
+    MLP puts the prefill's peak at the gate_up gather."""
+    _check_tensor_parallel("phi3", _inference(**shape), 2, intermediate_size=1024)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_tensor_parallel_moe_without_attention_plan(cache):
