@@ -259,6 +259,14 @@ def test_expert_parallel_over_four_ranks_with_static_cache():
     _check_tensor_parallel("deepseek_v3", setup, 4, expert_parallel=True)
 
 
+def test_moe_report_says_how_the_experts_run():
+    """The routing does not move the estimate: transformers' default grouped_mm runs every routed token once."""
+    assert (
+        "does not depend on how the router" in analyze(tiny_model("qwen3_moe"), _inference()).assumptions["moe_experts"]
+    )
+    assert "moe_experts" not in analyze(tiny_model("llama"), _inference()).assumptions
+
+
 @pytest.mark.parametrize(
     ("family", "layout", "mode", "message"),
     [

@@ -37,6 +37,8 @@ SIZE_LIMITS: dict[str, int] = {
     "v_head_dim": 4_096,
 }
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# The fields a MoE config counts its routed experts in (Mixtral and gpt-oss, Qwen-MoE, DeepSeek).
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 def check_config(data: Mapping[str, Any], attribute_map: Mapping[str, str], where: str) -> None:
@@ -64,7 +66,7 @@ def check_config(data: Mapping[str, Any], attribute_map: Mapping[str, str], wher
             f"{where}: {_spelled('hidden_size', attribute_map, data)} ({sizes['hidden_size']}) must be a multiple "
             f"of {_spelled('num_attention_heads', attribute_map, data)} ({heads}), or the config must give head_dim."
         )
-    experts = next((sizes[f] for f in ("num_local_experts", "num_experts", "n_routed_experts") if f in sizes), None)
+    experts = next((sizes[f] for f in EXPERT_COUNTS if f in sizes), None)
     if experts is not None and sizes.get("num_experts_per_tok", 1) > experts:
         raise UserError(f"{where}: num_experts_per_tok ({sizes['num_experts_per_tok']}) exceeds the {experts} experts.")
 

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import (
 from transformers import masking_utils
 
 from tracer.baseline import register_baseline
+from tracer.config_check import EXPERT_COUNTS
 from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
@@ -311,6 +312,20 @@ class traced_errors(AbstractContextManager):
         ) from None
 
 
+def _experts_assumptions(config) -> dict[str, str]:
+    """How a MoE model's experts run, and so why the routing does not change the estimate."""
+    if config is None or not any(getattr(config, field, None) for field in EXPERT_COUNTS):
+        return {}
+    implementation = getattr(config, "_experts_implementation", None) or "eager"
+    if implementation == "grouped_mm":
+        return {
+            "moe_experts": "transformers' grouped_mm, its default where torch's grouped matmul runs (CUDA compute "
+            "capability 8.0 and later): the routed tokens sorted by expert and multiplied once, so the memory "
+            "does not depend on how the router spreads them"
+        }
+    return {"moe_experts": f"the model's own experts code ({implementation})"}
+
+
 def _assumptions(model: Model, config, setup: TrainingSetup, optimizer, emulation) -> dict[str, object]:
     """What the trace assumed; ``config`` is the config the model ran with (checkpointing turns its cache off)."""
     if config is None:
@@ -328,6 +343,7 @@ def _assumptions(model: Model, config, setup: TrainingSetup, optimizer, emulatio
             else _training_assumptions(config, setup, optimizer)
         ),
         "attention_implementation": attention,
+        **_experts_assumptions(config),
         "allocation_rounding_bytes": MIN_BLOCK_SIZE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
