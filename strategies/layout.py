@@ -339,10 +339,7 @@ def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedC
     _refuse_quantized_tensor_parallel(layout, setup)
     if not setup.dequantize:
         refuse_with_tensor_parallelism(config)
-    expert_parallel = layout.ep > 1
-    if expert_parallel and config is not None and not getattr(config, "base_model_ep_plan", None):
-        name = type(config).__name__.removesuffix("Config")
-        raise UserError(f"--ep: transformers defines no expert-parallel plan for {name}; use --ep 1.")
+    expert_parallel = layout.ep > 1  # the model's ep_plan is read when the rank is traced (tracer/expert_parallel.py)
     tensor = TensorParallel.for_inference(layout.tp, expert_parallel)
     if config is not None:
         tensor.check(config)

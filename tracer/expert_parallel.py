@@ -26,14 +26,9 @@ EXPERT_WEIGHTS = "grouped_gemm"
 DISPATCHED_EXPERTS = "ep_dispatch_experts"
 
 
-def expert_parallel_plan(model: nn.Module) -> dict[str, str]:
-    """The model's ``ep_plan`` (full module and parameter paths, ``*`` for a layer index)."""
-    return dict(getattr(model, "_ep_plan", None) or {})
-
-
 def shard_experts(model: nn.Module, degree: int, rank: int = 0) -> None:
     """Give ``model`` the experts of expert-parallel ``rank`` of ``degree``, run as ``AllReduceEP`` runs them."""
-    plan = expert_parallel_plan(model)
+    plan = getattr(model, "_ep_plan", None) or {}  # full module and parameter paths, "*" for a layer index
     if not plan:
         raise UserError(f"--ep: transformers defines no expert-parallel plan for {type(model).__name__}; use --ep 1.")
     modules = [m for p, style in plan.items() if style == DISPATCHED_EXPERTS for m in _matching(model, p)]
