@@ -108,12 +108,20 @@ CASES = [
     _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
           "meta-llama/Llama-4-Scout-17B-16E-Instruct", "MoE, chunked local attention (hybrid)", tp=4, non_torch=2.17,
           weights=53.12, activation=3.19, kv=16.75, tokens=365968),
+    _case("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log", "deepseek-ai/DeepSeek-V2-Lite",
+          "deepseek-ai/DeepSeek-V2-Lite-Chat", "MoE, MLA (compressed latent cached)", non_torch=0.26, weights=29.43,
+          activation=1.93, kv=43.61, tokens=1505552),
+    _case("google-gemma-3-4b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-4b-it", "google/gemma-3-4b-it",
+          "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.25,
+          weights=8.58, activation=3.89, kv=62.51, tokens=468144),
+    _case("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-27b-it", "google/gemma-3-27b-it",
+          "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.26,
+          weights=51.45, activation=3.99, kv=19.53, tokens=36560),
 ]  # fmt: skip
 NOT_REPRODUCED = [
     ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log", "pipeline parallelism is not modelled by serve"),
-    ("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log, moonshotai-kimi-vl-a3b-i--h100-80gb--tp2pp1dp1--8192"
-     ".log", "MLA models whose config.json is not bundled (DeepSeek-V2-Lite, Kimi-VL); no official copy was found"),
-    ("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "config not bundled (Gemma 3 27B)"),
+    ("moonshotai-kimi-vl-a3b-i--h100-80gb--tp2pp1dp1--8192.log", "config not bundled (Kimi-VL): no official copy"),
+    ("google-gemma-3-12b-it--h100-80gb--tp1pp1dp1--8192.log", "config not bundled (Gemma 3 12B): no official copy"),
 ]  # fmt: skip
 
 

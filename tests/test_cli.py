@@ -128,6 +128,23 @@ def test_multimodal_checkpoint_is_analyzed_as_its_language_model(tmp_path, capsy
     assert "language model (text_config) of the LlavaForConditionalGeneration" in report["setup"]["model_source"]
 
 
+def test_compact_multimodal_config_reads_defaults_as_transformers_does():
+    """Gemma 3's Hub files leave out what equals the config classes' defaults (gemma-3-4b-it: its heads and
+    vocabulary); the language model analyzed is the one transformers builds from the whole file."""
+    from importlib.resources import files
+
+    from transformers import AutoConfig
+
+    from tracer.resolve import resolve_model
+
+    whole = json.loads(files("tracer").joinpath("configs/google--gemma-3-4b-it.json").read_text())
+    theirs = AutoConfig.for_model(**whole).text_config
+    model = resolve_model("google/gemma-3-4b-it")
+    for field in ("num_attention_heads", "vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads"):
+        assert getattr(model.config, field) == getattr(theirs, field), field
+    assert "num_attention_heads, vocab_size from Gemma3TextConfig's defaults" in model.source
+
+
 def test_malformed_config(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "hidden_size": 64,')

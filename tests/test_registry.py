@@ -61,7 +61,8 @@ PUBLISHED_PARAMETERS = {
 # the Main Model weights"), tied embeddings count once. The figures: Qwen3 cards' "Number of Parameters";
 # gpt-oss model card (arXiv 2508.10925, Table 1); Gemma 3 report (arXiv 2503.19786, Table 1); Mistral's
 # Mixtral 8x22B and Nemo announcements; Kimi K2's card ("Total Parameters 1T"); Phi-4-mini's card ("3.8B");
-# the SmolLM2/3 cards. Where the configs come from: tracer/configs/SOURCES.md.
+# the SmolLM2/3 cards; DeepSeek-V2-Lite's ("Total Params 15.7B"); Qwen3-Next's ("80B in total"). Where the
+# configs come from: tracer/configs/SOURCES.md.
 PUBLISHED_ROUNDED = {
     "Qwen/Qwen3-0.6B": (0.6e9, 0.1e9),
     "Qwen/Qwen3-1.7B": (1.7e9, 0.1e9),
@@ -83,6 +84,8 @@ PUBLISHED_ROUNDED = {
     "HuggingFaceTB/SmolLM2-360M": (360e6, 10e6),
     "HuggingFaceTB/SmolLM2-1.7B": (1.7e9, 0.1e9),
     "HuggingFaceTB/SmolLM3-3B": (3e9, 1e9),
+    "deepseek-ai/DeepSeek-V2-Lite": (15.7e9, 0.1e9),
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": (80e9, 1e9),
 }
 # The same architecture as a model checked above (Llama 3.3's card: the Llama 3.1 70B architecture).
 SAME_ARCHITECTURE = {"meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B"}

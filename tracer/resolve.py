@@ -21,7 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tracer.config_check import check_config
+from tracer.config_check import REQUIRED_FIELDS, check_config
 from tracer.custom import CustomModel
 from tracer.errors import UserError
 from tracer.registry import BUNDLED_MODELS, find_bundled
@@ -96,7 +96,9 @@ def language_model(data: Any, where: str) -> tuple[Any, str | None]:
     """The config of the decoder to estimate, and how it was found when it is not the file's top level.
 
     A multimodal checkpoint (Gemma 3, Llama 4, Mistral Small 3.1, Qwen3-VL) nests its language model under
-    ``text_config``; it is estimated alone, without the vision tower. A config whose ``model_type`` transformers
+    ``text_config``; it is estimated alone, without the vision tower. Gemma 3's files list only the fields that
+    differ from its text config class's defaults, which transformers fills in: the size fields left out are read
+    from those defaults too, and the report says which. A config whose ``model_type`` transformers
     does not know but whose ``architectures`` names one of its causal-LM classes (Kimi K2: a DeepSeek-V3 model
     shipped with its own code) is read as that class's config.
     """
@@ -109,7 +111,15 @@ def language_model(data: Any, where: str) -> tuple[Any, str | None]:
             raise UserError(f'{where}: text_config has no "model_type" (e.g. "llama"); add it.')
         architecture = (data.get("architectures") or [data.get("model_type")])[0]
         how = f"the language model (text_config) of the {architecture} checkpoint; its vision tower is not counted"
-        return {**nested, "model_type": model_type}, how
+        text = {**nested, "model_type": model_type}
+        if model_type in CONFIG_MAPPING and data.get("model_type") in CONFIG_MAPPING:  # a checkpoint transformers knows
+            class_defaults = CONFIG_MAPPING[model_type]()
+            defaulted = [field for field in REQUIRED_FIELDS if field not in text and hasattr(class_defaults, field)]
+            text |= {field: getattr(class_defaults, field) for field in defaulted}
+            if defaulted:
+                source = f"{type(class_defaults).__name__}'s defaults"
+                how += f" ({', '.join(defaulted)} from {source}, as transformers reads it)"
+        return text, how
     model_type = data.get("model_type")
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
         for architecture in data.get("architectures") or ():
