@@ -61,6 +61,9 @@ MOE_AND_2025_FAMILIES = [
     "gemma3_text",
     "llama4_text",
     "smollm3",
+    "deepseek_v2",
+    "glm4_moe",
+    "qwen3_next",
 ]
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"] * 2}
 FOUR_LAYERS = {"gpt_oss": ALTERNATING, "gemma3_text": ALTERNATING, "smollm3": {"no_rope_layers": [1, 1, 1, 0]}}

@@ -206,7 +206,7 @@ def _check_tensor_parallel(
     TP_FAMILIES
     + [
         pytest.param(f, marks=pytest.mark.slow)
-        for f in ("mistral", "qwen2", "gemma3_text", "smollm3", "codegen", "mixtral")
+        for f in ("mistral", "qwen2", "gemma3_text", "smollm3", "codegen", "mixtral", "glm4_moe", "qwen3_next")
     ],
 )
 def test_tensor_parallel_generate_matches_transformers(family, shape, cache, request):
@@ -244,7 +244,10 @@ def test_tensor_parallel_generate_over_four_ranks(family):
 
 
 @pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", pytest.param("mixtral", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_moe", "gpt_oss", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "glm4_moe", "qwen3_next"))],
+)
 def test_expert_parallel_generate_matches_transformers(family, shape):
     """DistributedConfig(tp_size=2, ep_size=2): attention as the tp_plan splits it (gpt-oss's plan leaves it whole),
     each rank half the experts, run on the whole batch with the other rank's routes masked (AllReduceEP)."""

@@ -22,7 +22,7 @@ from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 # Layer counts that leave two copies to stamp: head layer + 3 blocks + 2 more blocks.
-ALTERNATING = {"gemma2", "gemma3_text", "gpt_oss", "smollm3", "gpt_neo"}  # blocks of two layers
+ALTERNATING = {"gemma2", "gemma3_text", "gpt_oss", "smollm3", "gpt_neo", "qwen3_next"}  # blocks of two layers
 LAYERS = {family: 11 for family in ALTERNATING} | {"llama4_text": 21}  # dense/MoE x NoPE every 4th
 FAST_FAMILIES = {"llama", "gemma3_text", "deepseek_v3"}
 

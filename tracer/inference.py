@@ -132,13 +132,17 @@ class _Sampling:
         self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
 
 
+# A linear-attention layer's cache (Qwen3-Next's gated delta net): a convolution and a recurrent state per layer, of
+# fixed size, updated in place (transformers' LinearAttentionLayer).
+LINEAR_ATTENTION_STATES = ("conv_states", "recurrent_states")
+
+
 def _cache_tensors(cache) -> list[torch.Tensor]:
-    return [
-        tensor
-        for layer in cache.layers
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if isinstance(tensor, torch.Tensor)
-    ]
+    tensors = []
+    for layer in cache.layers:
+        tensors += [getattr(layer, "keys", None), getattr(layer, "values", None)]
+        tensors += [state for name in LINEAR_ATTENTION_STATES for state in (getattr(layer, name, None) or {}).values()]
+    return [tensor for tensor in tensors if isinstance(tensor, torch.Tensor)]
 
 
 def _track_cache(cache, recorder) -> None:
@@ -161,6 +165,8 @@ def _grow(cache, tokens: int) -> None:
         if chunk == 0:
             continue
         for layer in cache.layers:
+            if not hasattr(layer, "keys"):  # a linear-attention state: as large after any number of tokens
+                continue
             keys, values = layer.keys, layer.values
             layer.update(
                 keys.new_zeros((*keys.shape[:2], chunk, keys.shape[-1])),
