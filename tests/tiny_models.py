@@ -11,6 +11,17 @@ VOCAB = 256
 POSITIONS = 256
 IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
 
+# DeepSeek's routing, which GLM-4.5 shares: one dense layer, then routed and shared experts, one group
+DEEPSEEK_EXPERTS = dict(
+    moe_intermediate_size=32,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+
 TINY_CONFIGS: dict[str, dict] = {
     "llama": dict(
         model_type="llama",
@@ -140,13 +151,7 @@ TINY_CONFIGS: dict[str, dict] = {
         model_type="deepseek_v3",
         hidden_size=HIDDEN,
         intermediate_size=128,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
+        **DEEPSEEK_EXPERTS,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
@@ -183,62 +188,16 @@ TINY_CONFIGS: dict[str, dict] = {
         layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=POSITIONS,
     ),
-    "deepseek_v2": dict(  # DeepSeek-V2-Lite's layout: latent attention without a query compression, shared experts
-        model_type="deepseek_v2",
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        max_position_embeddings=POSITIONS,
-    ),
     "glm4_moe": dict(  # GLM-4.5: a dense layer, then routed and shared experts; q/k norms
         model_type="glm4_moe",
         hidden_size=HIDDEN,
         intermediate_size=128,
-        moe_intermediate_size=32,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
+        **DEEPSEEK_EXPERTS,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         use_qk_norm=True,
-        max_position_embeddings=POSITIONS,
-    ),
-    "qwen3_next": dict(  # gated delta net (linear attention) layers, every second one full attention; experts
-        model_type="qwen3_next",
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_value_heads=4,
-        linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        full_attention_interval=2,
         max_position_embeddings=POSITIONS,
     ),
     "llama4_text": dict(  # a dense layer, then a MoE layer with its shared expert; chunked attention, NoPE layers
@@ -269,6 +228,19 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 # MoE experts run through torch._grouped_mm, which these tests exercise in every dtype.
+# DeepSeek-V2-Lite's layout: DeepSeek-V3's latent attention without a query compression
+TINY_CONFIGS["deepseek_v2"] = {**TINY_CONFIGS["deepseek_v3"], "model_type": "deepseek_v2", "q_lora_rank": None}
+# Qwen3-Next: Qwen3-MoE's experts, with a shared expert, and gated delta net layers; every second one full attention
+TINY_CONFIGS["qwen3_next"] = {
+    **TINY_CONFIGS["qwen3_moe"],
+    "model_type": "qwen3_next",
+    "shared_expert_intermediate_size": 32,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "full_attention_interval": 2,
+}
 FAMILIES = tuple(TINY_CONFIGS)
 
 
