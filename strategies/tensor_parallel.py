@@ -167,21 +167,15 @@ class TensorParallel:
                 raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
-        modelled = (
-            COLWISE,
-            ROWWISE,
-            EMBEDDING_ROWWISE,
-            REPLICATED_WITH_GRAD_ALLREDUCE,
-            *MOE_STYLES,
-            *WHOLE_ACTIVATION_STYLES,
-        )
+        modelled = (*decoder_styles(inference=True), EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
         unsupported = sorted({style for style in plan.values() if style not in modelled})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
                 "(only colwise, rowwise, their gathered variants and MoE experts' layers are); use --tp 1."
             )
-        inference_only = sorted({style for style in plan.values() if style in (*MOE_STYLES, *WHOLE_ACTIVATION_STYLES)})
+        training = (*decoder_styles(inference=False), EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
+        inference_only = sorted({style for style in plan.values() if style not in training})
         if not self.inference and inference_only:
             raise UserError(
                 f"--tp: {name}'s plan uses {', '.join(inference_only)}, which is modelled for --mode inference "
@@ -210,6 +204,12 @@ class TensorParallel:
             plan = dataclasses.replace(plan, reduce_in_place=True)
             return recorded(tensor_parallel(step, plan), inference_all_reduce(step))
         return recorded(tensor_parallel(step, plan), activation_all_reduce(step))
+
+
+def decoder_styles(inference: bool) -> tuple[str, ...]:
+    """The decoder layers' styles modelled: column- and row-wise ones everywhere; MoE experts' and gathered ones as
+    transformers runs them at inference."""
+    return (COLWISE, ROWWISE, *((*MOE_STYLES, *WHOLE_ACTIVATION_STYLES) if inference else ()))
 
 
 def splits_key_heads(styles: Mapping[str, str]) -> bool:
@@ -288,13 +288,12 @@ def megatron_plan(
             "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
             "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
-    modelled = (COLWISE, ROWWISE, *MOE_STYLES, *(WHOLE_ACTIVATION_STYLES if inference else ()))
+    modelled = decoder_styles(inference)
     for pattern, style in styles.items():
         if style not in modelled:
             raise UserError(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
-                f"not modelled ({'' if inference else 'in training '}only colwise, rowwise and MoE experts' layers "
-                "are); use --tp 1."
+                f"not modelled{'' if inference else ' in training'} (only {', '.join(modelled)} are); use --tp 1."
             )
     if structure.input_embedding:
         styles[structure.input_embedding] = EMBEDDING_ROWWISE
