@@ -145,6 +145,21 @@ def test_compact_multimodal_config_reads_defaults_as_transformers_does():
     assert "num_attention_heads, vocab_size from Gemma3TextConfig's defaults" in model.source
 
 
+def test_nested_config_keeps_its_own_field_names(tmp_path, capsys):
+    """A nested text_config that names a size field its own way (GPT-2's n_embd) keeps it: only fields it leaves
+    out come from its class's defaults."""
+    from tracer.resolve import resolve_model
+
+    text = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}
+    path = tmp_path / "config.json"
+    path.write_text(
+        json.dumps({"model_type": "llava", "architectures": ["LlavaForConditionalGeneration"], "text_config": text})
+    )
+    model = resolve_model(str(path))
+    assert (model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size) == (64, 2, 50257)
+    assert "vocab_size from GPT2Config's defaults" in model.source
+
+
 def test_malformed_config(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "hidden_size": 64,')

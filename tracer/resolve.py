@@ -114,8 +114,13 @@ def language_model(data: Any, where: str) -> tuple[Any, str | None]:
         text = {**nested, "model_type": model_type}
         if model_type in CONFIG_MAPPING and data.get("model_type") in CONFIG_MAPPING:  # a checkpoint transformers knows
             class_defaults = CONFIG_MAPPING[model_type]()
-            defaulted = [field for field in REQUIRED_FIELDS if field not in text and hasattr(class_defaults, field)]
-            text |= {field: getattr(class_defaults, field) for field in defaulted}
+            stored = class_defaults.attribute_map  # e.g. hidden_size -> n_embd
+            defaulted = [
+                field
+                for field in REQUIRED_FIELDS
+                if field not in text and stored.get(field) not in text and hasattr(class_defaults, field)
+            ]
+            text |= {stored.get(field, field): getattr(class_defaults, field) for field in defaulted}
             if defaulted:
                 source = f"{type(class_defaults).__name__}'s defaults"
                 how += f" ({', '.join(defaulted)} from {source}, as transformers reads it)"
