@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
 
 import transformers
 from tabulate import tabulate
@@ -86,7 +85,7 @@ def cell(model, setup: TrainingSetup, layouts: tuple[Layout, ...], refusals: dic
     return f"refused ({refusals.setdefault(reason, len(refusals) + 1)})"
 
 
-def main(log: Callable[[str], None] = print) -> None:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="model ids (default: the table's)")
@@ -99,7 +98,7 @@ def main(log: Callable[[str], None] = print) -> None:
         for name, (setup, layouts) in COLUMNS.items():
             began = time.time()
             row.append(cell(model, setup, layouts, refusals))
-            log(f"{model_id}, {name}: {row[-1]} ({time.time() - began:.0f} s)")
+            print(f"{model_id}, {name}: {row[-1]} ({time.time() - began:.0f} s)", flush=True)
         rows.append(row)
     print(tabulate(rows, headers=["model", *COLUMNS], tablefmt="github" if args.markdown else "simple"))
     print(f"\nGiB per GPU, estimated peak allocated memory ({time.time() - start:.0f} s).")
