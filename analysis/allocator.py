@@ -174,7 +174,10 @@ class CachingAllocator:
     # -- internals -----------------------------------------------------------------------------------------
 
     def _pool(self, small: bool, stream: int) -> _Pool:
-        return self._pools.setdefault((small, stream), _Pool())
+        pool = self._pools.get((small, stream))
+        if pool is None:
+            pool = self._pools[small, stream] = _Pool()
+        return pool
 
     @staticmethod
     def _in_pool(block: Block, pool: _Pool) -> bool:

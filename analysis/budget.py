@@ -31,6 +31,10 @@ class MemoryBudget:
     def fits(self, report: MemoryReport) -> bool:
         return self.needed_bytes(report) <= self.usable_bytes
 
+    def rules_out(self, needed_floor: int) -> bool:
+        """Whether a step that needs at least ``needed_floor`` bytes cannot fit."""
+        return needed_floor > self.usable_bytes
+
     def shortfall_bytes(self, report: MemoryReport) -> int:
         return self.needed_bytes(report) - self.usable_bytes
 

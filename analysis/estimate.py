@@ -164,6 +164,14 @@ class LayoutEstimate:
         step = self.source.shared(key, lambda: prepared.model_parallel_step(self.source.step(batch), rank))
         return prepared.data_parallel_step(step, rank)
 
+    def needed_floor(self, batch: int) -> int:
+        """At most what :class:`MemoryBudget` reads off :meth:`evaluate`'s report at ``batch`` (the busiest rank's
+        allocated peak, plus the CUDA context on CUDA), without the allocator's replay: enough to rule a batch
+        size out, at a fraction of the cost."""
+        peak = max(find_peak(timeline(self.rank_step(rank, batch))).bytes for rank in self.ranks)
+        setup = self.prepared.setup
+        return peak + (find_gpu(setup.gpu).context_bytes if setup.target is Target.CUDA else 0)
+
     def evaluate(self, batch: int, progress: Progress | None = None) -> StepResult:
         """The busiest rank's result at ``batch``, carrying every distinct rank's report."""
         if batch not in self._results:

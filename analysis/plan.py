@@ -10,8 +10,10 @@ step, so the batch search re-traces nothing.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -145,9 +147,8 @@ def plan(
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
-    distinct = list({search.layout_estimate(search.candidate_setup(c), c.layout).source: None for c in chosen})
-    pairs = [(source, batch) for source in distinct for batch in (2, 3)]
-    tracing = f"tracing {len(distinct)} distinct steps at batch sizes 2 and 3"
+    pairs = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
+    tracing = f"tracing {len({source for source, _ in pairs})} distinct steps at {len(pairs)} batch sizes"
     on_progress(tracing, 0, len(pairs))
     traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
     for done, (index, trace) in enumerate(traced):
@@ -155,11 +156,12 @@ def plan(
         source.add_trace(batch, trace)
         on_progress(tracing, done + 1, len(pairs))
     outcomes: list[Outcome | None] = [None] * len(chosen)
-    searched = _in_processes(lambda index: _search(search, chosen[index]), len(chosen), jobs)
-    on_progress("largest micro-batch of each layout", 0, len(chosen))
-    for done, (index, outcome) in enumerate(searched):
-        outcomes[index] = outcome
-        on_progress("largest micro-batch of each layout", done + 1, len(chosen))
+    with _traces_frozen():
+        searched = _in_processes(lambda index: _search(search, chosen[index]), len(chosen), jobs)
+        on_progress("largest micro-batch of each layout", 0, len(chosen))
+        for done, (index, outcome) in enumerate(searched):
+            outcomes[index] = outcome
+            on_progress("largest micro-batch of each layout", done + 1, len(chosen))
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
     failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
     result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
@@ -209,6 +211,18 @@ class _Search:
     def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
         return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
 
+    def traces_needed(self, candidate: Candidate) -> list[tuple[StepSource, int]]:
+        """The traces the candidate's search reads, made before it (in parallel, once for all workers): its step's
+        at batch sizes 2 and 3, and when a global batch leaves its ranks more than one sequence, the accumulating
+        step's at 1, 2 and 3 (the whole per-rank batch rarely fits at once)."""
+        setup = self.candidate_setup(candidate)
+        needed = [(self.layout_estimate(setup, candidate.layout).source, batch) for batch in (2, 3)]
+        dp = candidate.layout.dp
+        if self.global_batch is not None and self.global_batch % dp == 0 and self.global_batch // dp > 1:
+            accumulating = self.layout_estimate(dataclasses.replace(setup, grad_accum=2), candidate.layout).source
+            needed += [(accumulating, batch) for batch in (1, 2, 3)]
+        return needed
+
     def layout_estimate(self, candidate_setup: TrainingSetup, layout: Layout) -> LayoutEstimate:
         """The candidate's estimate over the step source its traced setup shares with other candidates."""
         prepared = prepare(layout, candidate_setup, self.model.config)
@@ -217,6 +231,21 @@ class _Search:
         if key not in self.sources:
             self.sources[key] = StepSource(self.model, key, lines=True)
         return LayoutEstimate(self.model.model_id, prepared, self.sources[key])
+
+
+@contextmanager
+def _traces_frozen() -> Iterator[None]:
+    """Keep the garbage collector from scanning the traces while layouts are searched: each layout makes and
+    drops steps of tens of thousands of rows, and every full collection would walk the traces' millions of
+    objects again (a third of the search's time)."""
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
 
 
 def _in_processes(work: Callable[[int], T], count: int, jobs: int) -> Iterator[tuple[int, T]]:
@@ -244,42 +273,75 @@ def _run_forked(index: int) -> tuple[int, object]:
 def _search(search: _Search, candidate: Candidate) -> Outcome:
     """The candidate's largest micro-batch that fits (a divisor of the per-rank batch with --global-batch),
     its gradient accumulation, memory and step time."""
-    setup, budget, global_batch = search.setup, search.budget, search.global_batch
     layout = candidate.layout
     outcome = Outcome(candidate)
-    per_rank = None
-    if global_batch is not None:
-        if global_batch % layout.dp:
-            outcome.notes.append(f"global batch {global_batch} does not split over {layout.dp} data-parallel ranks")
-            return outcome
-        per_rank = global_batch // layout.dp
-    cap = per_rank or MAX_MICRO_BATCH
     candidate_setup = search.candidate_setup(candidate)
     steps = search.layout_estimate(candidate_setup, layout)
-    largest, report = _largest_fitting(steps, budget, cap)
-    if largest == 0:
-        outcome.report, outcome.needed_bytes = report, budget.needed_bytes(report)
+    if search.global_batch is None:
+        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
+        accumulation = 1
+    elif search.global_batch % layout.dp:
+        outcome.notes.append(f"global batch {search.global_batch} does not split over {layout.dp} data-parallel ranks")
         return outcome
-    micro = largest if per_rank is None else max(d for d in range(1, largest + 1) if per_rank % d == 0)
-    accumulation = 1 if per_rank is None else per_rank // micro
-    if accumulation > 1:
-        accumulating = dataclasses.replace(candidate_setup, grad_accum=accumulation)
-        steps = search.layout_estimate(accumulating, layout)
-        while micro > 0 and not budget.fits(steps.evaluate(micro).report):
-            micro = max((d for d in range(1, micro) if per_rank % d == 0), default=0)
-        if micro == 0:
-            outcome.report = steps.evaluate(1).report
-            outcome.needed_bytes = budget.needed_bytes(outcome.report)
-            outcome.notes.append("gradient accumulation's persistent gradients do not fit")
-            return outcome
-        accumulation = per_rank // micro
+    else:
+        per_rank = search.global_batch // layout.dp
+        micro, accumulation, steps, report = _largest_divisor_fitting(search, candidate_setup, layout, steps, per_rank)
+    if micro == 0:
+        outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
+        if accumulation > 1:
+            outcome.notes.append(f"at micro-batch 1 with {accumulation} accumulation steps")
+        return outcome
     estimate = steps.evaluate(micro)
-    outcome.micro_batch, outcome.accumulation, outcome.report = micro, accumulation, estimate.report
-    outcome.needed_bytes = budget.needed_bytes(estimate.report)
+    outcome.micro_batch, outcome.accumulation = micro, accumulation
+    outcome.report = _with_accumulation(estimate.report, accumulation)
+    outcome.needed_bytes = search.budget.needed_bytes(estimate.report)
     outcome.time = step_time(estimate.step, layout, search.cluster, search.compute_dtype, accumulation)
-    tokens = micro * accumulation * layout.dp * setup.seq_len
+    tokens = micro * accumulation * layout.dp * search.setup.seq_len
     outcome.tokens_per_second = tokens / outcome.time.total_s
     return outcome
+
+
+def _largest_divisor_fitting(
+    search: _Search, candidate_setup: TrainingSetup, layout: Layout, whole: LayoutEstimate, per_rank: int
+) -> tuple[int, int, LayoutEstimate, MemoryReport]:
+    """The largest micro-batch dividing ``per_rank`` that fits, its accumulation, the estimate it was read from
+    and its report (micro-batch 0 and micro-batch 1's report if none fits).
+
+    The whole per-rank batch in one micro-step is tried first; otherwise the micro-steps accumulate, whose
+    gradients outlive each backward, so memory only grows: the proper divisors are bisected on the step of two
+    micro-steps (which stands for any number of them)."""
+    budget = search.budget
+    if per_rank == 1 or not budget.rules_out(whole.needed_floor(per_rank)):
+        report = whole.evaluate(per_rank).report
+        if budget.fits(report) or per_rank == 1:
+            return (per_rank if budget.fits(report) else 0), 1, whole, report
+    accumulating = search.layout_estimate(dataclasses.replace(candidate_setup, grad_accum=2), layout)
+    divisors = [d for d in range(1, per_rank) if per_rank % d == 0]
+    low, high, found = 0, len(divisors) - 1, None
+    while low <= high:
+        middle = (low + high) // 2
+        micro = divisors[middle]
+        if middle > 0 and budget.rules_out(accumulating.needed_floor(micro)):  # micro-batch 1's report is kept
+            high = middle - 1
+            continue
+        report = accumulating.evaluate(micro).report
+        if budget.fits(report):
+            found, low = (micro, report), middle + 1
+        else:
+            high = middle - 1
+    if found is None:
+        return 0, per_rank, accumulating, report  # micro-batch 1's, the last probed
+    return found[0], per_rank // found[0], accumulating, found[1]
+
+
+def _with_accumulation(report: MemoryReport, accumulation: int) -> MemoryReport:
+    """The report of two traced micro-steps, which stand for any number of them, saying how many there are."""
+    if report.setup.grad_accum == accumulation:
+        return report
+    setup = dataclasses.replace(report.setup, grad_accum=accumulation)
+    copy = dataclasses.replace(report, setup=setup)
+    copy.ranks = [copy if rank is report else dataclasses.replace(rank, setup=setup) for rank in report.ranks]
+    return copy
 
 
 def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:

@@ -52,8 +52,9 @@ def replay_step(
         row.id: row.nbytes for row in step.storages.values() if row.on_device and row.nbytes > 0 and holds_memory(row)
     }
     streams: dict[str, int] = {"": 0}  # the compute stream first, then side streams as they appear
+    stream_of = {}
     for storage_id in sizes:
-        streams.setdefault(step.storages[storage_id].stream, len(streams))
+        stream_of[storage_id] = streams.setdefault(step.storages[storage_id].stream, len(streams))
     created: dict[int, list[int]] = defaultdict(list)
     released: dict[int, list[int]] = defaultdict(list)
     first_use: dict[int, list[int]] = defaultdict(list)
@@ -73,7 +74,7 @@ def replay_step(
     live: dict[int, Block] = {}
 
     def allocate(storage_id: int, index: int, measured: bool) -> None:
-        block = allocator.malloc(sizes[storage_id], streams[step.storages[storage_id].stream])
+        block = allocator.malloc(sizes[storage_id], stream_of[storage_id])
         live[storage_id] = block
         if measured and observer is not None:
             observer(index, storage_id, block, True)

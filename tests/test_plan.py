@@ -75,15 +75,31 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
 
 def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
     model = tiny_model("llama")
+    whole = 512  # a micro-batch of 32 to 128 fits: every layout accumulates
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
-    result = plan(model, SETUP, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=64, offload=False)
+    result = plan(model, SETUP, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=whole, offload=False)
     fitting = [o for o in result.outcomes if o.fits]
     assert fitting and result.best is fitting[0]
     for outcome in fitting:
-        assert outcome.micro_batch * outcome.accumulation * outcome.candidate.layout.dp == 64
+        assert outcome.micro_batch * outcome.accumulation * outcome.candidate.layout.dp == whole
         assert outcome.time.total_s > 0
     speeds = [o.tokens_per_second for o in fitting]
     assert speeds == sorted(speeds, reverse=True)
+    assert any(1 < o.accumulation < whole // o.candidate.layout.dp for o in fitting)  # neither end of the search
+    budget = MemoryBudget(gpu.memory_bytes)
+
+    def fits(outcome, micro: int) -> bool:
+        per_rank = whole // outcome.candidate.layout.dp
+        setup = dataclasses.replace(
+            SETUP, batch_size=micro, grad_accum=per_rank // micro, grad_checkpointing=outcome.candidate.checkpointing
+        )
+        return budget.fits(analyze(model, setup, outcome.candidate.layout))
+
+    for outcome in fitting[::3]:  # the choice against fresh traces: it fits, the next larger divisor does not
+        per_rank = whole // outcome.candidate.layout.dp
+        assert fits(outcome, outcome.micro_batch), outcome.candidate.describe()
+        larger = [d for d in range(outcome.micro_batch + 1, per_rank + 1) if per_rank % d == 0]
+        assert not larger or not fits(outcome, larger[0]), outcome.candidate.describe()
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(gpus=4), Layout(gpus=4, zero=1), Layout(gpus=4, zero=3)])
