@@ -2,9 +2,10 @@
 ranked by training throughput (LLMem's decision, over many more layouts).
 
 Each distinct single-GPU step (with or without checkpointing, and the low-precision step sharded mixed
-precision traces) is traced at batch sizes 2 and 3 and, when a layout needs it, 1. Every other batch size is a
-point on the line through 2 and 3 (analysis/batch_line.py), for the traced step and for each rank's transformed
-step, so the batch search re-traces nothing.
+precision traces) is traced at batch sizes 2 and 3 and, when a layout needs it, 1; with a global batch that
+leaves a rank more than one sequence, so is its step of two accumulating micro-steps, before the search. Every
+other batch size is a point on the line through 2 and 3 (analysis/batch_line.py), for the traced step and for each
+rank's transformed step, so the batch search re-traces nothing.
 """
 
 from __future__ import annotations
