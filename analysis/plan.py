@@ -149,7 +149,7 @@ def plan(
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
     pairs = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
-    tracing = f"tracing {len({source for source, _ in pairs})} distinct steps at {len(pairs)} batch sizes"
+    tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
     on_progress(tracing, 0, len(pairs))
     traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
     for done, (index, trace) in enumerate(traced):
@@ -218,11 +218,21 @@ class _Search:
         step's at 1, 2 and 3 (the whole per-rank batch rarely fits at once)."""
         setup = self.candidate_setup(candidate)
         needed = [(self.layout_estimate(setup, candidate.layout).source, batch) for batch in (2, 3)]
-        dp = candidate.layout.dp
-        if self.global_batch is not None and self.global_batch % dp == 0 and self.global_batch // dp > 1:
-            accumulating = self.layout_estimate(dataclasses.replace(setup, grad_accum=2), candidate.layout).source
+        if (self.per_rank_batch(candidate.layout) or 1) > 1:
+            accumulating = self.accumulating_estimate(setup, candidate.layout).source
             needed += [(accumulating, batch) for batch in (1, 2, 3)]
         return needed
+
+    def per_rank_batch(self, layout: Layout) -> int | None:
+        """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it
+        does not split evenly)."""
+        if self.global_batch is None or self.global_batch % layout.dp:
+            return None
+        return self.global_batch // layout.dp
+
+    def accumulating_estimate(self, candidate_setup: TrainingSetup, layout: Layout) -> LayoutEstimate:
+        """The step of two accumulating micro-steps, whose memory stands for any number of them."""
+        return self.layout_estimate(dataclasses.replace(candidate_setup, grad_accum=2), layout)
 
     def layout_estimate(self, candidate_setup: TrainingSetup, layout: Layout) -> LayoutEstimate:
         """The candidate's estimate over the step source its traced setup shares with other candidates."""
@@ -276,16 +286,16 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     its gradient accumulation, memory and step time."""
     layout = candidate.layout
     outcome = Outcome(candidate)
-    candidate_setup = search.candidate_setup(candidate)
-    steps = search.layout_estimate(candidate_setup, layout)
-    if search.global_batch is None:
-        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
-        accumulation = 1
-    elif search.global_batch % layout.dp:
+    per_rank = search.per_rank_batch(layout)
+    if search.global_batch is not None and per_rank is None:
         outcome.notes.append(f"global batch {search.global_batch} does not split over {layout.dp} data-parallel ranks")
         return outcome
+    candidate_setup = search.candidate_setup(candidate)
+    steps = search.layout_estimate(candidate_setup, layout)
+    if per_rank is None:
+        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
+        accumulation = 1
     else:
-        per_rank = search.global_batch // layout.dp
         micro, accumulation, steps, report = _largest_divisor_fitting(search, candidate_setup, layout, steps, per_rank)
     if micro == 0:
         outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
@@ -316,7 +326,7 @@ def _largest_divisor_fitting(
         report = whole.evaluate(per_rank).report
         if budget.fits(report) or per_rank == 1:
             return (per_rank if budget.fits(report) else 0), 1, whole, report
-    accumulating = search.layout_estimate(dataclasses.replace(candidate_setup, grad_accum=2), layout)
+    accumulating = search.accumulating_estimate(candidate_setup, layout)
     divisors = [d for d in range(1, per_rank) if per_rank % d == 0]
     low, high, found = 0, len(divisors) - 1, None
     while low <= high:
