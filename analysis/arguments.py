@@ -356,8 +356,8 @@ def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
         const=True,
         default=None,
         help="a checkpoint published quantized (FP8 blocks: DeepSeek-V3/R1, Kimi K2; MXFP4: gpt-oss) is loaded "
-        "dequantized to --dtype, as transformers does without the kernels its format needs; by default its "
-        "weights are counted as published",
+        "dequantized to --dtype, as transformers does without the kernels its format needs (GPTQ and AWQ: their "
+        "16-bit model); by default its weights are counted as published",
     )
     group.add_argument(
         "--quantize",

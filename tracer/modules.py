@@ -111,10 +111,12 @@ class ModuleScope:
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(all, trainable) parameters, counting a quantized weight by the elements it stands for, not the bytes
-    that pack them (quantized layers say so with ``logical_weight_numel``)."""
+    that pack them (quantized layers say so with ``logical_weight_numel``, or ``packed_parameter_numel`` where the
+    packed tensors are buffers)."""
     total = trainable = 0
     seen: set[int] = set()  # tied weights count once
     for module in model.modules():
+        total += getattr(module, "packed_parameter_numel", 0)
         for name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue

@@ -1,5 +1,5 @@
 """Checkpoints quantized as published: the weights a config's ``quantization_config`` stores, as transformers keeps
-them on the GPU for inference (transformers 5.24).
+them on the GPU (transformers 5.24).
 
 * ``fp8`` (DeepSeek-V3/R1, Kimi K2, Qwen3-FP8): transformers' own ``FineGrainedFP8HfQuantizer`` replaces the
   modules of a meta copy of the model (``replace_with_fp8_linear``: every plain ``nn.Linear`` but the lm_head and
@@ -10,8 +10,13 @@ them on the GPU for inference (transformers 5.24).
   keep beside the blocks (``swizzle_mxfp4``; Hopper's layout pads nothing at gpt-oss's sizes). That needs the
   ``kernels`` package on a Hopper or newer GPU; without it transformers dequantizes to bf16 (``--dequantize``).
 
-The step is traced with 16-bit weights and the published bytes stand in for them: the kernels that read the
-quantized weights allocate what the 16-bit path does or less. FP8's Triton matmul quantizes its input inside the
+* ``gptq`` and ``awq``: low-bit weights packed into int32 words with fp16 scales, in gptqmodel's layers, for
+  inference and under LoRA adapters alike (transformers never dequantizes them at load): tracer/packed.py replaces
+  the layers, whose forward allocates what their kernels do.
+
+FP8 and MXFP4 are counted for inference only (fine-tuning loads them dequantized). Their step is traced with 16-bit
+weights and the published bytes stand in for them: the kernels that read the quantized weights allocate what the
+16-bit path does or less. FP8's Triton matmul quantizes its input inside the
 kernel and allocates only its output, as ``F.linear`` does; MXFP4's ``matmul_ogs`` fuses the routing gather, the
 SwiGLU and the scatter that the bf16 experts run as separate ops, so the experts' activations are an upper bound.
 """
@@ -31,8 +36,11 @@ if TYPE_CHECKING:  # annotations only: the command line's help need not import t
     from transformers import PretrainedConfig
 
     from tracer.recorder import StepRecorder
+    from tracer.training import TrainingSetup
 
-MODELLED = ("fp8", "mxfp4")
+RESTATED = ("fp8", "mxfp4")  # traced in 16 bits, the published bytes standing in for the weights
+PACKED = ("gptq", "awq")  # their layers replaced by tracer/packed.py's
+MODELLED = (*RESTATED, *PACKED)
 MXFP4_VALUES_PER_SCALE = 32  # one E8M0 scale per 32 FP4 values (16 bytes of blocks)
 
 
@@ -52,13 +60,41 @@ def quant_method(config: PretrainedConfig | None) -> str | None:
     return str(getattr(quantization, "quant_method", type(quantization).__name__))
 
 
+def counted_as_published(config: PretrainedConfig | None, setup: TrainingSetup) -> bool:
+    """Whether the weights are counted in the checkpoint's own format, unless ``--dequantize``: FP8 and MXFP4 for
+    inference (fine-tuning loads them dequantized), GPTQ and AWQ always (transformers never dequantizes them)."""
+    method = quant_method(config)
+    return not setup.dequantize and (method in PACKED or (method in RESTATED and setup.mode == "inference"))
+
+
+def check_published(config: PretrainedConfig, setup: TrainingSetup) -> None:
+    """Refuse what transformers does not run on a GPTQ or AWQ checkpoint, and layouts not modelled."""
+    method = quant_method(config)
+    if method not in PACKED or not counted_as_published(config, setup):
+        return
+    from tracer.packed import packed_format  # tracer/packed.py builds on this module
+
+    packed_format(config)
+    if setup.quantize:
+        raise UserError(
+            f"This checkpoint is already quantized ({method}): drop --quantize, --qlora and --load-in-8bit "
+            "(--lora-r trains adapters on its own weights)."
+        )
+    if setup.mode == "train" and setup.lora is None:
+        raise UserError(
+            f"A {method.upper()} checkpoint's weights are frozen integers: fine-tune LoRA adapters on them (--lora-r), "
+            "as transformers' Trainer requires, or pass a config.json without quantization_config to estimate the "
+            "16-bit model."
+        )
+
+
 def published_parameters(config: PretrainedConfig, dtype: torch.dtype) -> dict[str, PublishedTensor]:
     """Every quantized module's parameters as transformers holds them, by name: those of the 16-bit model they
     replace (same names, other dtypes and shapes), and the scales beside them."""
     from transformers import AutoModelForCausalLM
 
     method = quant_method(config)
-    if method not in MODELLED:
+    if method not in RESTATED:
         raise ValueError(f"{method} checkpoints are not modelled")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -130,6 +166,16 @@ def track_published(
 
 def describe(config: PretrainedConfig) -> str:
     """The assumption the report states for a checkpoint of a modelled format."""
+    if quant_method(config) in PACKED:
+        from tracer.packed import packed_format  # tracer/packed.py builds on this module
+
+        return (
+            f"published in {packed_format(config).describe()}: gptqmodel's layers as transformers loads them "
+            "(qweight, qzeros, scales and for GPTQ g_idx), not the repacking of its inference kernels; layers that "
+            "are not nn.Linear (MoE models' fused experts) and the lm_head in --dtype; inference as the fused "
+            "kernels allocate (the output only), training as the auto_trainable kernels (GPTQ keeps each "
+            "layer's fp16 weight dequantized from forward to backward, AWQ dequantizes it beyond 1,024 rows)"
+        )
     if quant_method(config) == "mxfp4":
         return (
             "published in MXFP4: the experts hold two FP4 values per byte, a uint8 scale per 32 and float32 biases "

@@ -23,6 +23,8 @@ from tracer.checkpointing import enable_checkpointing
 from tracer.errors import UserError
 from tracer.lora import apply_lora
 from tracer.optimizers import AdamW8bit
+from tracer.packed import replace_packed_linears
+from tracer.published import PACKED, check_published, counted_as_published, quant_method
 from tracer.quantization import quantize_base_weights
 from tracer.roles import Phase
 from tracer.training import TrainingSetup
@@ -41,7 +43,9 @@ def attention_implementation(config: PretrainedConfig, setup: TrainingSetup) -> 
 
 
 def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
-    """The model as the setup runs it: quantized base weights, LoRA adapters and checkpointing applied."""
+    """The model as the setup runs it: a GPTQ or AWQ checkpoint's packed layers, quantized base weights, LoRA adapters
+    and checkpointing applied."""
+    check_published(config, setup)
     config = copy.deepcopy(config)  # the model's own: checkpointing turns its cache off, and traces share configs
     try:
         model = AutoModelForCausalLM.from_config(
@@ -51,6 +55,8 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
         raise UserError(f"transformers cannot build this model from its config: {error}") from None
     if setup.use_cache is not None and setup.mode == "train":
         model.config.use_cache = setup.use_cache
+    if quant_method(config) in PACKED and counted_as_published(config, setup):
+        replace_packed_linears(model, config)
     return apply_variants(model, setup)
 
 

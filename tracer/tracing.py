@@ -33,7 +33,14 @@ from tracer.inference import InferenceStep
 from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
-from tracer.published import MODELLED, describe, published_parameters, quant_method, track_published
+from tracer.published import (
+    RESTATED,
+    counted_as_published,
+    describe,
+    published_parameters,
+    quant_method,
+    track_published,
+)
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model
 from tracer.roles import Phase, Role
@@ -119,7 +126,8 @@ def _record(
     report = progress or (lambda stage, done, total: None)
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
-    published = published_parameters(model.config, setup.param_dtype) if _as_published(model, setup) else {}
+    restated = counted_as_published(model.config, setup) and quant_method(model.config) in RESTATED
+    published = published_parameters(model.config, setup.param_dtype) if restated else {}
     with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
         report("building the model", 0, 0)
         net = (model if plan is None else replace(model, config=plan.cut)).build(setup)
@@ -230,24 +238,18 @@ def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, 
     }
 
 
-def _as_published(model: Model, setup: TrainingSetup) -> bool:
-    """Whether the weights are counted in the checkpoint's own quantized format: for inference in a format
-    modelled, unless ``--dequantize``."""
-    return setup.mode == "inference" and not setup.dequantize and quant_method(model.config) in MODELLED
-
-
 def _checkpoint_quantization(model: Model, setup: TrainingSetup) -> dict[str, str]:
     """How a quantized checkpoint's weights are counted, beside the dtype."""
     method = quant_method(model.config)
     if method is None:
         return {}
-    if _as_published(model, setup):
+    if counted_as_published(model.config, setup):
         return {"checkpoint_weights": describe(model.config)}
     why = (
         "loaded dequantized (--dequantize)"
         if setup.dequantize
         else "fine-tuning loads it dequantized"
-        if setup.mode == "train" and method in MODELLED
+        if setup.mode == "train" and method in RESTATED
         else "its format is not modelled"
     )
     return {"checkpoint_weights": f"published as {method}; weights counted in --dtype: {why}"}
