@@ -14,6 +14,7 @@ from tiny_models import tiny_model
 from torch import nn
 
 from analysis.estimate import analyze
+from tracer.errors import UserError
 from tracer.packed import PackedLinear
 from tracer.step import build_model
 from tracer.training import LoraSetup, Target, TrainingSetup
@@ -36,16 +37,18 @@ def _packed(family: str, quantization: dict, **overrides) -> dict[str, PackedLin
 
 
 def test_gptq_replaces_plain_linears_in_the_blocks_and_awq_every_linear_but_the_skipped():
-    """Llama 4's router is an nn.Linear subclass: optimum's exact type check leaves it to GPTQ, AWQ's isinstance
-    takes it; both leave the lm_head, AWQ also what modules_to_not_convert names; the fused experts are not
-    nn.Linear at all."""
+    """Llama 4's router is an nn.Linear subclass with a forward of its own: optimum's exact type check leaves it to
+    GPTQ; AWQ's isinstance takes it, which breaks the model unless modules_to_not_convert names it. Both leave the
+    lm_head, AWQ also what modules_to_not_convert names; the fused experts are not nn.Linear at all."""
     linears = _linears("llama4_text")
     in_blocks = {name for name, module in linears.items() if name.startswith("model.layers.")}
     plain = {name for name in in_blocks if type(linears[name]) is nn.Linear}
-    assert any(name.endswith("router") for name in in_blocks - plain)
+    assert {name.rpartition(".")[2] for name in in_blocks - plain} == {"router"}
     assert set(_packed("llama4_text", GPTQ)) == plain
-    skipped = {**AWQ, "modules_to_not_convert": ["model.layers.*.feed_forward.shared_expert"]}
-    assert set(_packed("llama4_text", skipped)) == {name for name in in_blocks if "shared_expert" not in name}
+    with pytest.raises(UserError, match=r"model\.layers\.1\.feed_forward\.router, a Llama4Router"):
+        _packed("llama4_text", AWQ)
+    skipped = {**AWQ, "modules_to_not_convert": ["model.layers.*.feed_forward.(router|shared_expert)"]}
+    assert set(_packed("llama4_text", skipped)) == {name for name in plain if "shared_expert" not in name}
 
 
 @pytest.mark.parametrize(

@@ -190,13 +190,29 @@ def replace_packed_linears(model: nn.Module, config: PretrainedConfig) -> None:
     """Swap the layers transformers quantizes for ``PackedLinear`` (and AWQ's scaled activations in)."""
     fmt = packed_format(config)
     for name, module in packed_modules(model, config).items():
+        if not _returns_its_output(module):
+            raise UserError(
+                f"transformers' AWQ loading replaces {name}, a {type(module).__name__} (an nn.Linear returning more "
+                "than its output), by a quantized linear layer, and the model then fails: a checkpoint that loads "
+                "lists it in quantization_config.modules_to_not_convert; add it there."
+            )
         in_features, out_features = (
-            module.weight.shape[::-1] if isinstance(module, Conv1D) else (module.in_features, module.out_features)
+            module.weight.shape
+            if isinstance(module, Conv1D)
+            else (module.in_features, module.out_features)  # (in, out)
         )
         packed = PackedLinear(fmt, in_features, out_features, module.bias is not None, module.weight.device)
         model.set_submodule(name, packed)
     if fmt.method == "awq" and config.model_type in AWQ_SCALES_MAPPINGS:
         _scale_activations(model, *AWQ_SCALES_MAPPINGS[config.model_type])
+
+
+def _returns_its_output(module: nn.Module) -> bool:
+    """Whether the layer returns one tensor, as the quantized layer replacing it does (Llama 4's router, an
+    ``nn.Linear`` subclass, returns its scores and logits)."""
+    if isinstance(module, Conv1D) or type(module).forward is nn.Linear.forward:
+        return True
+    return isinstance(module(module.weight.new_empty((1, module.in_features))), torch.Tensor)
 
 
 def _scale_activations(model: nn.Module, activation: str, before: str) -> None:
