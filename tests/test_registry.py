@@ -54,6 +54,8 @@ PUBLISHED_PARAMETERS = {
     "tiiuae/falcon-7b": 6.92e9,
     "bigcode/starcoder": 15.5e9,
     "bigcode/octocoder": 15.5e9,
+    # the checkpoint's own model.safetensors.index.json: total_size 54,864,793,600 bytes of float32 weights
+    "allenai/OLMo-2-1124-13B": 13_716_198_400,
 }
 
 # 2025-2026 models, as their cards or reports round them: (published total, rounding step). The model's own
@@ -87,8 +89,12 @@ PUBLISHED_ROUNDED = {
     "deepseek-ai/DeepSeek-V2-Lite": (15.7e9, 0.1e9),
     "Qwen/Qwen3-Next-80B-A3B-Instruct": (80e9, 1e9),
 }
-# The same architecture as a model checked above (Llama 3.3's card: the Llama 3.1 70B architecture).
-SAME_ARCHITECTURE = {"meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B"}
+# The same architecture as a model checked above (Llama 3.3's card: the Llama 3.1 70B architecture; OLMo 2's
+# instruction-tuned checkpoint: post-trained from the base).
+SAME_ARCHITECTURE = {
+    "meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B",
+    "allenai/OLMo-2-1124-13B-Instruct": "allenai/OLMo-2-1124-13B",
+}
 
 REQUIRED = [
     *PUBLISHED_PARAMETERS,

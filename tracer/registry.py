@@ -105,6 +105,8 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     BundledModel("HuggingFaceTB/SmolLM2-360M", ("HuggingFaceTB/SmolLM2-360M-Instruct",)),
     BundledModel("HuggingFaceTB/SmolLM2-1.7B", ("HuggingFaceTB/SmolLM2-1.7B-Instruct",)),
     BundledModel("HuggingFaceTB/SmolLM3-3B", ("HuggingFaceTB/SmolLM3-3B-Base",)),
+    BundledModel("allenai/OLMo-2-1124-13B"),
+    BundledModel("allenai/OLMo-2-1124-13B-Instruct"),  # its own file: stored in bf16, the base in fp32
 )
 
 _BY_NAME = {name.lower(): model for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
