@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from strategies.collectives import recorded, sharded_data_parallel
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
-from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, StepGraph, StorageRow, Transfer
-from tracer.modules import enclosing_block
+from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, PipelinePass, StepGraph, StorageRow, Transfer
+from tracer.modules import enclosing_block, within
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
 from tracer.training import TrainingSetup
@@ -135,6 +135,7 @@ class _Fsdp:
                 self.accumulated[self._unit_of(row.param)].append(row)
         self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
         self.held_reduce_input: int | None = None
+        self.float32_grads: dict[str, list[int]] = {}  # a pipeline stage's accumulated gradients, by unit
 
     def master(self, name: str) -> int:
         """Bytes per element of the sharded parameter and its optimizer state."""
@@ -152,6 +153,10 @@ class _Fsdp:
 
     def build(self) -> StepGraph:
         self.shard_state()
+        pipeline_passes = self.step.pipeline_passes()
+        if pipeline_passes:
+            self.pipelined(pipeline_passes)
+            return self.rw.build()
         for passes in self.step.micro_steps():
             windows = unit_windows(self.step, self.paths, passes)
             self.forward(windows)
@@ -221,6 +226,138 @@ class _Fsdp:
             # Every micro-step's backward ends there (is_last_backward defaults to True): no held input crosses
             # into the next micro-step (FSDPState._root_post_backward_final_callback).
             self.held_reduce_input = None
+
+    def pipelined(self, passes: list[PipelinePass]) -> None:
+        """A pipeline stage's step (torch.distributed.pipelining, stage.py ``backward_maybe_with_nosync``): every
+        microbatch's backward runs with ``set_requires_gradient_sync(False)`` and
+        ``set_reshard_after_backward(False)``, so the unsharded parameters stay gathered from their first backward
+        on and the unsharded gradients accumulate (in float32 under a mixed-precision policy:
+        ``to_accumulated_grad_if_needed``); after the last backward, ``perform_reduce_grad`` runs every
+        unit's ``post_backward`` with reduction, in the stage's module order (root first)."""
+        for stage_pass in passes:
+            windows = unit_windows(self.step, self.paths, stage_pass.ops)
+            if stage_pass.phase is Phase.FORWARD:
+                self.pipelined_forward(windows)
+            else:
+                self.pipelined_backward(windows, stage_pass.ops)
+        end = max(stage_pass.ops[-1] for stage_pass in passes)
+        for unit in (ROOT, *self.step.structure.blocks):
+            self.reduce_accumulated(unit, end)
+        finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
+        if self.held_reduce_input is not None:
+            self.rw.retime(self.held_reduce_input, last=finalize)
+            self.held_reduce_input = None
+
+    def pipelined_forward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
+        """Each unit gathers unless it is still unsharded; the non-root units reshard after forward when
+        ``reshard_after_forward``. The last flat buffer gathered is freed by the root's post-forward, which runs
+        when the stage's module returns (before the schedule computes the loss on the last stage)."""
+        held = None
+        for unit in (ROOT, *self.step.structure.blocks):
+            if Phase.FORWARD not in windows.get(unit, {}):
+                continue
+            first, last = windows[unit][Phase.FORWARD]
+            if unit not in self.unsharded:
+                gather = self.all_gather(unit, self.rw.before(first, "fsdp.all_gather", unit, Phase.FORWARD))
+                if held is not None:
+                    self.rw.retime(held, last=gather.point)
+                held = gather.buffer
+                copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.FORWARD)
+                self.unsharded[unit] = self.copy_out(unit, copy_out, None)
+            if unit != ROOT and self.plan.reshard_after_forward:
+                reshard = self.rw.after(last, "fsdp.reshard", unit, Phase.FORWARD)
+                for storage_id in self.unsharded.pop(unit):
+                    self.rw.retime(storage_id, last=reshard)
+        if held is not None:
+            end = self._module_forward_end(windows[ROOT][Phase.FORWARD])
+            self.rw.retime(held, last=self.rw.after(end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
+
+    def _module_forward_end(self, window: tuple[int, int]) -> int:
+        """The last op the stage's module runs in a forward window of the root: the output layer's on the last
+        stage, whose loss the schedule computes after the module has returned."""
+        output = self.step.structure.output_embedding
+        if output:
+            ops = range(window[0], window[1] + 1)
+            return max((i for i in ops if within(self.step.ops[i].module, output)), default=window[1])
+        return window[1]
+
+    def pipelined_backward(self, windows: dict[str, dict[Phase, tuple[int, int]]], ops: range) -> None:
+        """Units resharded after forward gather again, each prefetching the next in backward order that is
+        sharded; none reshards or reduces. Under a mixed-precision policy each unit's post-backward moves the
+        low-precision gradient autograd made into the float32 accumulated one (made at the step's first
+        backward, added into at later ones)."""
+        units = (ROOT, *reversed(self.step.structure.blocks))
+        order = [unit for unit in units if Phase.BACKWARD in windows.get(unit, {})]
+        end = max(windows[unit][Phase.BACKWARD][1] for unit in order)  # the root's post-backward runs last
+        prefetched: dict[str, int] = {}
+        for position, unit in enumerate(order):
+            first, last = windows[unit][Phase.BACKWARD]
+            if unit not in self.unsharded:
+                copy_out = self.rw.before(first, "fsdp.all_gather_copy_out", unit, Phase.BACKWARD)
+                buffer = prefetched.pop(unit, None)
+                if buffer is None:
+                    buffer = self.all_gather(unit, copy_out).buffer
+                self.rw.retime(buffer, last=copy_out)
+                self.unsharded[unit] = self.copy_out(unit, copy_out, None)
+            following = order[position + 1] if position + 1 < len(order) else None
+            if following is not None and following not in self.unsharded:
+                point = self.rw.before(first, "fsdp.all_gather (prefetch)", following, Phase.BACKWARD)
+                prefetched[following] = self.all_gather(following, point).buffer
+            if self.plan.mixed_precision:
+                self.accumulate_in_float32(unit, end if unit == ROOT else last, ops)
+
+    def accumulate_in_float32(self, unit: str, last: int, ops: range) -> None:
+        post_backward = self.rw.after(last, "fsdp.post_backward (accumulate)", unit, Phase.BACKWARD)
+        names = [name for name in self.units[unit] if name in self.trained]
+        if unit not in self.float32_grads:
+            for row in self.grads[unit]:
+                if row.producer in ops:
+                    self.rw.retime(row.id, last=post_backward)
+            self.float32_grads[unit] = [
+                self.rw.add(
+                    self.params[name].numel * FLOAT32_BYTES,
+                    Role.GRADIENT,
+                    post_backward,
+                    None,
+                    f"{name} (unsharded accumulated gradient)",
+                    "float32",
+                    name,
+                )
+                for name in names
+            ]
+            return
+        for row in self.accumulated[unit]:
+            if row.producer in ops:
+                self.rw.retime(row.id, last=post_backward)
+
+    def reduce_accumulated(self, unit: str, end: int) -> None:
+        """``post_backward`` with reduction (``perform_reduce_grad``): free the unsharded parameters, copy the
+        accumulated gradients into a flat reduce-scatter input (the previous unit's is freed), free them, and
+        reduce-scatter into the sharded gradients that live until ``zero_grad``."""
+        rw = self.rw
+        reshard = rw.after(end, "fsdp.reshard", unit, Phase.BACKWARD)
+        for storage_id in self.unsharded.pop(unit, []):
+            rw.retime(storage_id, last=reshard)
+        names = [name for name in self.units[unit] if name in self.trained]
+        if not names:
+            return
+        if self.held_reduce_input is not None:
+            rw.retime(self.held_reduce_input, last=reshard)
+        reduce_in = rw.after(end, "fsdp.reduce_scatter", unit, Phase.BACKWARD)
+        size = sum(self.shards[n].padded_numel * self.reduce(n) for n in names)
+        reduce_dtype = self.master_dtype(names)
+        self.held_reduce_input = rw.add(
+            size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {unit or 'root'}", reduce_dtype
+        )
+        accumulated = self.float32_grads.pop(unit, None)
+        for storage_id in accumulated if accumulated is not None else [row.id for row in self.grads[unit]]:
+            rw.retime(storage_id, last=reduce_in)
+        zero_grad = max((row.freed_after for row in self.grads[unit] if row.freed_after is not None), default=None)
+        reduce_out = rw.after(end, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
+        sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
+        name = f"sharded gradients {unit or 'root'}"
+        kept_until = None if zero_grad is None else Point(zero_grad, 0)
+        rw.add(sharded_bytes, Role.GRADIENT, reduce_out, kept_until, name, reduce_dtype, stream=REDUCE_SCATTER_STREAM)
 
     def all_gather(self, unit: str, point: Point) -> _Gather:
         names = self.units[unit]

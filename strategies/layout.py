@@ -101,15 +101,18 @@ class Layout:
             if self.microbatches is not None or self.pp_schedule != "1f1b":
                 raise UserError("--microbatches and --pp-schedule apply to pipeline parallelism: add --pp 2 or more.")
             return
+        if self.engine == "deepspeed":
+            raise UserError(
+                "--pp models torch.distributed.pipelining; DeepSpeed runs its own pipeline engine (PipelineModule), "
+                "which is not modelled: with --pp use --engine fsdp (DDP, ZeroRedundancyOptimizer or FSDP2 per stage)."
+            )
+        if self.offload or self.sequence_parallel:
+            flag = "--offload" if self.offload else "--sequence-parallel"
+            raise UserError(f"{flag} with --pp is not modelled yet (not checked against a runtime): drop one of them.")
         if self.pp_schedule == "1f1b" and self.stage_microbatches < self.pp:
             raise UserError(
                 f"--pp-schedule 1f1b needs at least as many microbatches as stages (Schedule1F1B refuses fewer): "
                 f"--microbatches {self.pp} or more, or --pp-schedule gpipe."
-            )
-        if self.gpus != self.pp:
-            raise UserError(
-                "Pipeline parallelism is modelled on its own for now (--gpus equal to --pp): its composition with "
-                "tensor and data parallelism is not modelled yet."
             )
 
     def _check_offload(self) -> None:

@@ -198,7 +198,7 @@ class _Stage:
             start = len(ops)
             for index in self.passes[template[action]]:
                 position[(action, index)] = len(ops)
-                ops.append(step.ops[index])
+                ops.append(replaced(step.ops[index], pipeline_pass=(plan.stage, action[1])))
             span[action] = range(start, len(ops))
         optimizer_at = {index: len(ops) + n for n, index in enumerate(self.optimizer)}
         ops += [step.ops[index] for index in self.optimizer]
@@ -284,12 +284,15 @@ class _Stage:
         return any(user not in self.pass_of and self.step.ops[user].phase is Phase.BACKWARD for user in row.users)
 
     def _is_output(self, row: StorageRow) -> bool:
-        """The stage's output: a hidden state the next stage's forward reads, or the last stage's logits."""
+        """The stage's output: a hidden state the next stage's forward reads, or the last stage's logits (what the
+        output layer makes and the loss reads, not its autocast copies of its weight and input)."""
         if self.step.ops[row.producer].phase is not Phase.FORWARD:
             return False
+        forward_users = [self.step.ops[user] for user in row.users if self.step.ops[user].phase is Phase.FORWARD]
         if self.plan.last:
-            return row.module == self.step.structure.output_embedding
-        return any(user not in self.pass_of for user in row.users if self.step.ops[user].phase is Phase.FORWARD)
+            output = self.step.structure.output_embedding
+            return row.module == output and any(not within(op.module, output) for op in forward_users)
+        return any(op.index not in self.pass_of for op in forward_users)
 
     def _receive_buffers(self, rows: dict[int, StorageRow]) -> dict[tuple[Phase, int], int]:
         """One receive buffer per microbatch for each kind of tensor another stage makes and this one reads:

@@ -16,27 +16,35 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from unittest.mock import patch
 
 import torch
-from runtimes import fake_process_group
+from runtimes import data_parallel, dtensor_plan, fake_process_group, reshard_argument
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers.masking_utils import create_causal_mask
 
 from analysis.peak import find_peak, timeline
+from strategies.layout import Layout, Rank
 from strategies.pipeline import layer_split
+from strategies.tensor_parallel import megatron_plan
 from tracer.graph import build_graph
 from tracer.inference import CACHE_KWARG
-from tracer.modules import ModuleScope
+from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import build_optimizer, make_token_batch
+from tracer.step import build_optimizer, make_token_batch, optimizer_recipe
+from tracer.trace import ModelStructure
 from tracer.training import TrainingSetup
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -54,8 +62,15 @@ class _Stage(nn.Module):
         self.rotary_emb = type(base.rotary_emb)(config=causal_lm.config)  # each stage has its own
         self.norm = base.norm if last else None
         self.lm_head = causal_lm.lm_head if last else None
+        self.autocast: torch.dtype | None = None  # mixed precision by autocast (without FSDP2's policy)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.autocast is None:
+            return self._forward(h)
+        with torch.autocast("cpu", dtype=self.autocast):
+            return self._forward(h)
+
+    def _forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             h = self.embed_tokens(h)
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
@@ -102,20 +117,103 @@ def _receive_buffers(stage: PipelineStage) -> Iterator[torch.Tensor]:
         yield from (info.buffer for info in infos if info.buffer is not None)
 
 
-def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, stages: int, stage: int, schedule: str, mbs: int) -> int:
-    """Peak tensor bytes of stage ``stage`` of ``stages`` over its third step of ``mbs`` microbatches of
-    ``setup.batch_size`` (``schedule.step``, then the optimizer's step and ``zero_grad``)."""
+class _LocalStorageRecorder(StepRecorder):
+    """The recorder, counting what a rank holds: the tensor inside a wrapper subclass (a DTensor's local shard: the
+    sharded parameters, gradients and optimizer states FSDP2 and tensor parallelism make, whose wrapper's own
+    storage is the global size; the buffer a functional collective's AsyncCollectiveTensor wraps), and told
+    about ``UntypedStorage.resize_``, which FSDP2 uses to free and re-allocate its unsharded parameters without
+    the dispatcher seeing it: a resize ends the storage's record and a resize to a size starts a new one (as
+    torch's MemTracker patches it, ``_track_resize``)."""
+
+    def _storage_of(self, tensor: torch.Tensor, created_at: int | None):
+        while is_traceable_wrapper_subclass(tensor):  # a DTensor, or a functional collective's async wrapper
+            inner, _ = tensor.__tensor_flatten__()
+            tensor = getattr(tensor, inner[0])
+        return super()._storage_of(tensor, created_at)
+
+    @contextmanager
+    def recording(self) -> Iterator[StepRecorder]:
+        resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage: torch.UntypedStorage, size: int):
+            address = storage._cdata
+            storage_id = self._live.pop(address, None)
+            if storage_id is not None:
+                self.storages[storage_id].freed_after = len(self.ops) - 1
+                self._finalizers.pop(storage_id, None)
+            result = resize(storage, size)
+            if size > 0:
+                tensor = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                self._storage_of(tensor, created_at=len(self.ops))
+            return result
+
+        with patch.object(torch.UntypedStorage, "resize_", tracked_resize), super().recording() as recorder:
+            yield recorder
+
+
+def _stage_structure(model: ResolvedModel, layers: range, first: bool, last: bool) -> ModelStructure:
+    """The stage module's structure, its transformers TP plan named as the stage names its modules."""
+    with torch.device("meta"):
+        structure = model_structure(model.build(TrainingSetup()))
+    prefix = structure.blocks[0].rpartition(".")[0] + "."
+    return ModelStructure(
+        blocks=tuple(f"layers.{i}" for i in layers),
+        input_embedding="embed_tokens" if first else "",
+        output_embedding="lm_head" if last else None,
+        tp_plan={pattern.replace(prefix, "layers.", 1): style for pattern, style in structure.tp_plan.items()},
+        model_class=structure.model_class,
+    )
+
+
+def _parallelize(
+    module: _Stage, structure: ModelStructure, layout: Layout, rank: Rank, mesh: DeviceMesh, mixed_precision: bool
+) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+    """torchtitan's order: tensor parallelism on the stage's modules, then its data parallelism (FSDP2 on each
+    decoder layer and the stage, ``reshard_after_forward`` as ``--zero`` asks, bf16 compute and float32 reduction
+    with ``mixed_precision``; DDP; or DDP with
+    ZeroRedundancyOptimizer, whose optimizer the caller builds). Returns the module the stage runs and DDP's
+    bucket buffers."""
+    if layout.tp > 1:
+        plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
+        parallelize_module(module, mesh["tp"], dtensor_plan(plan, module))
+    if layout.dp == 1:
+        return module, {}
+    if layout.zero >= 2:
+        reshard = reshard_argument(layout.zero == 3)
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
+        for block in structure.blocks:
+            fully_shard(module.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
+        return module, {}
+    ddp, buckets = data_parallel(module, mesh["dp"].get_group())
+    return ddp, buckets
+
+
+def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
+    """Peak tensor bytes of ``rank`` (its stage ``rank.pp`` of ``layout.pp``, composed with the layout's tensor and
+    data parallelism) over its third step of ``layout.stage_microbatches`` microbatches of ``setup.batch_size``
+    (``schedule.step``, then the optimizer's step and ``zero_grad``)."""
     config = model.config
+    stages, stage, mbs = layout.pp, rank.pp, layout.stage_microbatches
     first, last = stage == 0, stage == stages - 1
-    with fake_process_group(stages, stage), _as_a_real_run():
+    with fake_process_group(layout.gpus, rank.global_rank(layout)), _as_a_real_run():
+        mesh = init_device_mesh("cpu", (stages, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(0)
+        sharded_mixed = layout.zero >= 2 and layout.dp > 1 and setup.mixed_precision is not None
+        if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
+            setup = dataclasses.replace(setup, mixed_precision=None)
         causal_lm = model.build(setup)
         causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
-        dtype = next(causal_lm.parameters()).dtype
+        # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
+        dtype = torch.bfloat16 if sharded_mixed else next(causal_lm.parameters()).dtype
         model_loss = causal_lm.loss_function  # transformers' ForCausalLMLoss: shifts the labels itself
-        module = _Stage(causal_lm, layer_split(config.num_hidden_layers, stages)[stage], first, last)
+        layers = layer_split(config.num_hidden_layers, stages)[stage]
+        module = _Stage(causal_lm, layers, first, last)
         del causal_lm
         gc.collect()
+        structure = _stage_structure(model, layers, first, last)
+        wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, sharded_mixed)
+        module.autocast = setup.autocast_dtype
         shape = (setup.batch_size, setup.seq_len)
         inputs = (
             torch.empty(shape, dtype=torch.long, device="meta")
@@ -124,13 +222,26 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, stages: int, stage
         )
         width = config.vocab_size if last else config.hidden_size
         outputs = torch.empty(*shape, width, dtype=dtype, device="meta", requires_grad=True)
-        pipeline = PipelineStage(module, stage, stages, torch.device("cpu"), input_args=inputs, output_args=outputs)
-        optimizer = build_optimizer(module, setup, foreach=None)
+        pipeline = PipelineStage(
+            wrapped,
+            stage,
+            stages,
+            torch.device("cpu"),
+            input_args=inputs,
+            output_args=outputs,
+            group=mesh["pp"].get_group(),
+        )
+        if layout.zero == 1:
+            optimizer_class, arguments = optimizer_recipe(setup)
+            params = [p for p in module.parameters() if p.requires_grad]
+            optimizer = ZeroRedundancyOptimizer(params, optimizer_class, mesh["dp"].get_group(), **arguments)
+        else:
+            optimizer = build_optimizer(module, setup, foreach=None)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return model_loss(logits=logits, labels=labels, vocab_size=config.vocab_size) / mbs
 
-        schedule_run = SCHEDULES[schedule](pipeline, n_microbatches=mbs, loss_fn=loss_fn, scale_grads=False)
+        schedule_run = SCHEDULES[layout.pp_schedule](pipeline, n_microbatches=mbs, loss_fn=loss_fn, scale_grads=False)
         whole = dataclasses.replace(setup, batch_size=setup.batch_size * mbs)  # every rank loads the whole batch
         batch = make_token_batch(config.vocab_size, whole, "cpu")
 
@@ -138,24 +249,28 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, stages: int, stage
             on_phase(Phase.FORWARD)
             args = (batch.input_ids,) if first else ()
             target = batch.labels if last else None
-            schedule_run.step(*args, target=target, losses=[] if last else None, return_outputs=False)
+            with loss_parallel() if layout.tp > 1 and layout.tp_output == "parallel" else nullcontext():
+                schedule_run.step(*args, target=target, losses=[] if last else None, return_outputs=False)
             on_phase(Phase.OPTIMIZER)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         step()
         step()
-        recorder = StepRecorder(ModuleScope(module), device_type="cpu")
+        recorder = _LocalStorageRecorder(ModuleScope(module), device_type="cpu")
         names = {id(param): name for name, param in module.named_parameters()}
         for name, param in module.named_parameters():
             recorder.track_existing(param, Role.PARAMETER, name)
         for name, buffer in module.named_buffers():
             recorder.track_existing(buffer, Role.BUFFER, name)
-        for param, state in optimizer.state.items():
+        states = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+        for param, state in states.items():
             for key, value in state.items():
                 recorder.track_existing(value, Role.OPTIMIZER_STATE, f"{names[id(param)]}.{key}", names[id(param)])
         recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
         recorder.track_existing(batch.labels, Role.INPUT, "labels")
+        for index, buffer in buckets.items():
+            recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index}")
         for index, buffer in enumerate(_receive_buffers(pipeline)):
             recorder.track_existing(buffer, Role.COMMUNICATION, f"receive buffer {index}")
         with recorder.recording():

@@ -189,7 +189,7 @@ def _new_pass(tracker: MemTracker, phase: Phase) -> None:
         tracker.reset_mod_stats()
 
 
-def _reshard(after_forward: bool) -> bool | None:
+def reshard_argument(after_forward: bool) -> bool | None:
     """``fully_shard``'s argument: its default (None) reshards every module but the root after forward,
     which is ZeRO-3 as FSDP2 runs it; False keeps them all unsharded (ZeRO-2)."""
     return None if after_forward else False
@@ -205,7 +205,7 @@ def fsdp2_peak(
 ) -> int:
     """``fully_shard`` on every decoder layer and on the root; fp32 model, or bf16 compute with fp32 reduce."""
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
-    reshard = _reshard(reshard_after_forward)
+    reshard = reshard_argument(reshard_after_forward)
 
     with fake_process_group(world, rank):
         mesh: DeviceMesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode: it reads its ranks
@@ -218,7 +218,7 @@ def fsdp2_peak(
         return _peak_of_step(model, setup, parallelize)
 
 
-def _dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
+def dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
     """The estimate's plan as DTensor styles. With sequence parallelism, as torchtitan lays it out: the
     embedding and row-wise layers reduce-scatter into sequence slices, norms run on them, and the attention,
     the MLP and the lm_head gather their input (the gathered input stays a DTensor, so that the input
@@ -230,19 +230,19 @@ def _dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
         EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
         COLWISE_GATHER_OUTPUT: ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
     }
-    dtensor_plan = {pattern: styles[style] for pattern, style in plan.styles.items()}
+    styles_by_module = {pattern: styles[style] for pattern, style in plan.styles.items()}
     if plan.output_embedding and plan.styles[plan.output_embedding] == COLWISE:  # feeding loss_parallel()
-        dtensor_plan[plan.output_embedding] = ColwiseParallel(
+        styles_by_module[plan.output_embedding] = ColwiseParallel(
             input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
         )
     if plan.sequence_length:
         for name, module in net.named_modules():
             if "Norm" in type(module).__name__:
-                dtensor_plan[name] = SequenceParallel(use_local_output=True)
+                styles_by_module[name] = SequenceParallel(use_local_output=True)
         for pattern, style in plan.styles.items():
             if style == COLWISE and "*" in pattern:
-                dtensor_plan[pattern.rpartition(".")[0]] = _GatherSequence()
-    return dtensor_plan
+                styles_by_module[pattern.rpartition(".")[0]] = _GatherSequence()
+    return styles_by_module
 
 
 class _GatherSequence(ParallelStyle):
@@ -301,11 +301,11 @@ def tensor_parallel_peak(
         plan = megatron_plan(structure, degree, rank, gathered_output, sequence_length)
 
         def parallelize(net: nn.Module) -> None:
-            parallelize_module(net, mesh["tp"], _dtensor_plan(plan, net))
+            parallelize_module(net, mesh["tp"], dtensor_plan(plan, net))
             if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
                 net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:
-                reshard = _reshard(reshard_after_forward)
+                reshard = reshard_argument(reshard_after_forward)
                 for block in structure.blocks:
                     fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard)
                 fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard)
@@ -313,6 +313,25 @@ def tensor_parallel_peak(
         context = nullcontext if gathered_output else loss_parallel
         wrap = _WithPositions if sequence_parallel else None
         return _peak_of_step(model, setup, parallelize, context, wrap)
+
+
+def data_parallel(
+    net: nn.Module, group: dist.ProcessGroup | None = None
+) -> tuple[DistributedDataParallel, dict[int, torch.Tensor]]:
+    """``DistributedDataParallel(net)`` with a pass-through communication hook that hands back each bucket's flat
+    buffer (the fake process group's all-reduce returns none), and the buffers by bucket index, which the reducer
+    keeps for the module's life."""
+    ddp = DistributedDataParallel(net, process_group=group)
+    buckets: dict[int, torch.Tensor] = {}
+
+    def keep_bucket(state, bucket):  # unannotated: DDP checks annotations, which are strings here
+        buckets[bucket.index()] = bucket.buffer()
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    ddp.register_comm_hook(None, keep_bucket)
+    return ddp, buckets
 
 
 def ddp_peak(model: Model, setup: TrainingSetup, world: int, rank: int = 0, zero_redundancy: bool = False) -> int:
@@ -323,16 +342,7 @@ def ddp_peak(model: Model, setup: TrainingSetup, world: int, rank: int = 0, zero
     with fake_process_group(world, rank):
         torch.manual_seed(0)
         net = model.build(setup)
-        ddp = DistributedDataParallel(net)
-        buckets: dict[int, torch.Tensor] = {}
-
-        def keep_bucket(state, bucket):  # unannotated: DDP checks annotations, which are strings here
-            buckets[bucket.index()] = bucket.buffer()
-            future = torch.futures.Future()
-            future.set_result(bucket.buffer())
-            return future
-
-        ddp.register_comm_hook(None, keep_bucket)
+        ddp, buckets = data_parallel(net)
         if zero_redundancy:
             optimizer_class, arguments = optimizer_recipe(setup)
             trainable = [p for p in net.parameters() if p.requires_grad]
@@ -365,7 +375,7 @@ def runtime_peak(model: Model, setup: TrainingSetup, layout: Layout, rank: Rank)
     if layout.pp > 1:
         from pipeline_runtime import pipeline_peak  # it runs on this module's fake process group
 
-        return pipeline_peak(model, setup, layout.pp, rank.pp, layout.pp_schedule, layout.stage_microbatches)
+        return pipeline_peak(model, setup, layout, rank)
     if layout.tp > 1:
         return tensor_parallel_peak(
             model,

@@ -22,14 +22,18 @@ ADAPTERS = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
 SLOW = pytest.mark.slow
 
 
-def _check(stages: int, schedule: str, microbatches: int, only: tuple[int, ...] | None = None, **options) -> None:
+def _check(stages: int, schedule: str, microbatches: int, **options) -> None:
+    _check_layout(Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches), **options)
+
+
+def _check_layout(layout: Layout, **options) -> None:
+    """Every stage of ``layout`` (data- and tensor-parallel rank 0) against the runtime."""
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
-    layout = Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches)
     prepared = prepare(layout, setup, MODEL.config)
     traced = build_graph(trace_step(MODEL, prepared.traced))
-    for stage in only or range(stages):
+    for stage in range(layout.pp):
         estimate = find_peak(timeline(prepared.rank_step(traced, Rank(pp=stage)), rounded=False)).bytes
-        runtime = pipeline_peak(MODEL, setup, stages, stage, schedule, microbatches)
+        runtime = pipeline_peak(MODEL, setup, layout, Rank(pp=stage))
         assert abs(estimate - runtime) / runtime <= TOLERANCE, (stage, estimate, runtime)
 
 
@@ -67,6 +71,35 @@ def test_stages_compose_with_the_variants(options):
     _check(2, "1f1b", 4, **options)
 
 
+@pytest.mark.parametrize(
+    ("layout", "options"),
+    [
+        # torchtitan's PP x FSDP2: the stage's units stay gathered and its gradients accumulate unsharded (in float32
+        # under the mixed-precision policy) until perform_reduce_grad
+        (Layout(gpus=4, pp=2, zero=3, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=8, pp=2, tp=2, zero=2, microbatches=4), {}),
+        pytest.param(Layout(gpus=4, pp=2, zero=2, microbatches=4), {"mixed_precision": "bf16"}, marks=SLOW),
+        pytest.param(Layout(gpus=8, pp=4, zero=3, pp_schedule="gpipe", microbatches=4), {}, marks=SLOW),
+        pytest.param(Layout(gpus=6, pp=2, zero=2, pp_schedule="gpipe", microbatches=2), {}, marks=SLOW),
+        pytest.param(
+            Layout(gpus=4, pp=2, zero=3, microbatches=4),
+            {"mixed_precision": "bf16", "grad_checkpointing": "full", "lora": ADAPTERS},
+            marks=SLOW,
+        ),
+        pytest.param(Layout(gpus=4, pp=2, zero=0, microbatches=4), {"mixed_precision": "bf16"}, marks=SLOW),
+        pytest.param(Layout(gpus=4, pp=2, zero=1, microbatches=4), {"grad_checkpointing": "full"}, marks=SLOW),
+        pytest.param(Layout(gpus=4, pp=2, tp=2, microbatches=4), {}, marks=SLOW),
+        pytest.param(Layout(gpus=4, pp=2, tp=2, tp_output="gathered", microbatches=4), {}, marks=SLOW),
+        pytest.param(Layout(gpus=8, pp=2, tp=2, zero=3, microbatches=4), {"mixed_precision": "bf16"}, marks=SLOW),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_stages_compose_with_data_and_tensor_parallelism(layout, options):
+    """Each stage under DDP, ZeroRedundancyOptimizer or FSDP2 over the data-parallel group, and DTensor tensor
+    parallelism, as torchtitan composes them, against the runtimes composed the same way."""
+    _check_layout(layout, **options)
+
+
 def test_report_lists_every_stage():
     setup = TrainingSetup(batch_size=2, seq_len=32, mixed_precision="bf16")
     report = analyze(MODEL, setup, Layout(gpus=4, pp=4, microbatches=8))
@@ -79,7 +112,9 @@ def test_report_lists_every_stage():
     ("layout", "options", "message"),
     [
         ({"gpus": 16, "pp": 16}, {}, "more stages than the model's 8 decoder layers"),
-        ({"gpus": 8, "pp": 4, "tp": 2}, {}, "modelled on its own for now"),
+        ({"gpus": 8, "pp": 4, "zero": 3, "engine": "deepspeed"}, {}, "DeepSpeed runs its own pipeline engine"),
+        ({"gpus": 8, "pp": 2, "tp": 2, "sequence_parallel": True}, {}, "--sequence-parallel with --pp"),
+        ({"gpus": 8, "pp": 4, "zero": 3, "offload": "optimizer,params"}, {}, "--offload with --pp"),
         ({"gpus": 2, "pp": 2}, {"grad_accum": 2}, "give --microbatches 4 instead"),
         ({"gpus": 2, "microbatches": 4}, {}, "add --pp 2 or more"),
         ({"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}, {}, "interleaved 1F1B and zero-bubble"),

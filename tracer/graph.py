@@ -10,6 +10,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -84,6 +85,13 @@ class Collective:
     what: str
 
 
+class PipelinePass(NamedTuple):
+    stage: int
+    microbatch: int
+    phase: Phase  # FORWARD or BACKWARD
+    ops: range
+
+
 @dataclass
 class StepGraph:
     """One recorded step, the unit every layer passes on: its ops in execution order, the storages they make,
@@ -111,6 +119,21 @@ class StepGraph:
         ]
         ends = [*starts[1:], len(self.ops)]
         return [range(start, end) for start, end in zip(starts, ends, strict=True)]
+
+    def pipeline_passes(self) -> list[PipelinePass]:
+        """The forward and backward passes of a pipeline stage's step, in the order they run (empty for any
+        other step). Ops a later transform inserts into a pass belong to it."""
+        passes: list[PipelinePass] = []
+        for op in self.ops:
+            if op.pipeline_pass is None:
+                continue
+            stage, microbatch = op.pipeline_pass
+            last = passes[-1] if passes else None
+            if last is not None and (last.stage, last.microbatch, last.phase) == (stage, microbatch, op.phase):
+                passes[-1] = last._replace(ops=range(last.ops.start, op.index + 1))
+            else:
+                passes.append(PipelinePass(stage, microbatch, op.phase, range(op.index, op.index + 1)))
+        return passes
 
     @cached_property
     def graph(self) -> nx.DiGraph:

@@ -34,6 +34,9 @@ class Op:
     recompute: bool = False  # a forward op run again in backward (activation checkpointing)
     flops: int = 0  # floating-point operations, as torch.utils.flop_counter counts them (matmuls, attention)
     bytes_moved: int = 0  # bytes of the tensors it reads and writes (0 for views): its memory traffic
+    # In a pipeline stage's step (strategies/pipeline.py): the (stage, microbatch) whose forward or backward pass
+    # this op of the traced step runs in; None for the optimizer's ops and everywhere else.
+    pipeline_pass: tuple[int, int] | None = None
 
     @property
     def runs_forward(self) -> bool:
@@ -52,6 +55,7 @@ class Storage:
     on_device: bool = True  # False for host tensors (e.g. optimizer step counters on CUDA)
     name: str = ""  # parameter or state name for storages that existed before the step
     param: str | None = None  # the parameter this is, or is the gradient, state or optimizer temporary of
+    device: int = 0  # the GPU it lives on, where a device map spreads the model over several (tracer/device_map.py)
 
 
 @dataclass(frozen=True)
