@@ -21,9 +21,10 @@ What each holds (``GPTQQuantLinear._register_gptq_buffers``; ``AWQuantLinear.__i
 ``(in, ceil(out x bits / 32))``, ``qzeros`` int32 and ``scales`` fp16 with ``in // group`` rows; a bias in fp16.
 This is the layout loaded from the checkpoint. At load, ``hf_gptqmodel_post_init`` lets the kernel gptqmodel
 picks repack it: the inference kernels it prefers on Hopper (Swordfish, Machete, Marlin; tile-aligned layers
-only, so nothing is padded) keep the packed values and scales and drop a symmetric checkpoint's zeros and, without
-act-order, ``g_idx`` (about 1/group of the weight bytes less); Swordfish's AWQ path stores zero points as fp16
-(about 4/group more); Marlin adds 512 bytes of workspace per layer. These differences are not modelled.
+only, so nothing is padded) keep the packed values and scales and drop a symmetric checkpoint's zeros (Marlin also
+``g_idx`` without act-order: about 1/group of the weight bytes less); Machete and Swordfish store an asymmetric
+checkpoint's zero points, AWQ's, in fp16 (about 4/group more); Marlin adds 512 bytes of workspace per layer.
+These differences are not modelled.
 
 What a matmul allocates:
 
