@@ -48,6 +48,12 @@ def count(minimum: int = 1, maximum: int = MAX_COUNT) -> Callable[[str], int]:
     return parse
 
 
+def counts(text: str) -> tuple[int, ...]:
+    """Whole numbers of at least 1, separated by commas ("20,20,20,20")."""
+    parse = count()
+    return tuple(parse(part.strip()) for part in text.split(","))
+
+
 def rate(text: str) -> float:
     """A finite positive number (a bandwidth, a throughput)."""
     value = _number(text, "a number")

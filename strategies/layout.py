@@ -45,6 +45,7 @@ class Layout:
     pp: int = 1
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: as many as stages
+    pp_split: tuple[int, ...] | None = None  # decoder layers per pipeline stage; None: even
     zero: int = 0
     engine: str = "fsdp"
     sequence_parallel: bool = False
@@ -98,9 +99,16 @@ class Layout:
         if self.microbatches is not None and self.microbatches < 1:
             raise UserError(f"--microbatches must be at least 1 (got {self.microbatches}).")
         if self.pp == 1:
-            if self.microbatches is not None or self.pp_schedule != "1f1b":
-                raise UserError("--microbatches and --pp-schedule apply to pipeline parallelism: add --pp 2 or more.")
+            if self.microbatches is not None or self.pp_schedule != "1f1b" or self.pp_split is not None:
+                raise UserError(
+                    "--microbatches, --pp-schedule and --pp-split apply to pipeline parallelism: add --pp 2 or more."
+                )
             return
+        if self.pp_split is not None and (len(self.pp_split) != self.pp or min(self.pp_split) < 1):
+            raise UserError(
+                f"--pp-split gives each of the --pp {self.pp} stages its decoder layers, at least one: {self.pp} "
+                f"counts, e.g. --pp-split {','.join(['8'] * self.pp)} (got {','.join(map(str, self.pp_split))})."
+            )
         if self.engine == "deepspeed":
             raise UserError(
                 "--pp models torch.distributed.pipelining; DeepSpeed runs its own pipeline engine (PipelineModule), "
@@ -150,7 +158,9 @@ class Layout:
             return "1 GPU"
         parts = []
         if self.pp > 1:
-            parts.append(f"pipeline parallel {self.pp} ({self.pp_schedule}, {self.stage_microbatches} microbatches)")
+            schedule = f"{self.pp_schedule}, {self.stage_microbatches} microbatches"
+            split = f", layers {'+'.join(map(str, self.pp_split))}" if self.pp_split else ""
+            parts.append(f"pipeline parallel {self.pp} ({schedule}{split})")
         if self.tp > 1:
             sequence = " with sequence parallelism" if self.sequence_parallel else ""
             gathered = ", gathered logits" if self.tp_output == "gathered" else ""
@@ -297,7 +307,7 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         )
     pipeline = None
     if layout.pp > 1:
-        pipeline = PipelineParallel(layout.pp, layout.pp_schedule, layout.stage_microbatches)
+        pipeline = PipelineParallel(layout.pp, layout.pp_schedule, layout.stage_microbatches, layout.pp_split)
         pipeline.check(setup, config)
     data = data_parallel(layout)
     traced, recipe = data.traced_setup(setup) if data is not None else (setup, None)

@@ -41,14 +41,16 @@ FORWARD, BACKWARD = "F", "B"
 Action = tuple[str, int]  # (FORWARD or BACKWARD, microbatch)
 
 
-def layer_split(layers: int, stages: int) -> list[range]:
-    """Contiguous layers per stage; the first ``layers % stages`` stages take one more."""
-    base, extra = divmod(layers, stages)
+def layer_split(layers: int, stages: int, split: tuple[int, ...] | None = None) -> list[range]:
+    """Contiguous layers per stage: ``split`` layers each, else even, the first ``layers % stages`` stages taking
+    one more (torchtitan's default split points)."""
+    if split is None:
+        base, extra = divmod(layers, stages)
+        split = tuple(base + (stage < extra) for stage in range(stages))
     ranges, start = [], 0
-    for stage in range(stages):
-        stop = start + base + (stage < extra)
-        ranges.append(range(start, stop))
-        start = stop
+    for count in split:
+        ranges.append(range(start, start + count))
+        start += count
     return ranges
 
 
@@ -71,6 +73,7 @@ class PipelinePlan:
     stage: int
     schedule: str = "1f1b"
     microbatches: int = 1
+    split: tuple[int, ...] | None = None  # decoder layers per stage; None: even
 
     @property
     def first(self) -> bool:
@@ -89,14 +92,19 @@ class PipelineParallel:
     stages: int
     schedule: str
     microbatches: int
+    split: tuple[int, ...] | None = None  # decoder layers per stage; None: even
 
     @property
     def note(self) -> str:
+        split = (
+            f"layers split {'+'.join(map(str, self.split))}"
+            if self.split
+            else "layers split contiguously (earlier stages take the extra layer)"
+        )
         return (
             f"torch.distributed.pipelining, {self.schedule}, {self.microbatches} microbatches of the batch size per "
-            "step; layers split contiguously (earlier stages take the extra layer), embedding on the first stage, "
-            "final norm, output layer and loss on the last; a receive buffer per microbatch for activations and "
-            "for their gradients; the pipeline bubble is not in the step time"
+            f"step; {split}, embedding on the first stage, final norm, output layer and loss on the last; a receive "
+            "buffer per microbatch for activations and for their gradients"
         )
 
     def check(self, setup: TrainingSetup, config) -> None:
@@ -120,10 +128,15 @@ class PipelineParallel:
     def _check_layers(self, layers: int) -> None:
         if self.stages > layers:
             raise UserError(f"--pp {self.stages}: more stages than the model's {layers} decoder layers.")
+        if self.split is not None and sum(self.split) != layers:
+            raise UserError(
+                f"--pp-split {','.join(map(str, self.split))} gives {sum(self.split)} decoder layers, and the model "
+                f"has {layers}: the stages' counts must add up to it."
+            )
 
     def apply(self, step: StepGraph, stage: int) -> StepGraph:
         self._check_layers(len(step.structure.blocks))
-        return pipeline_stage(step, PipelinePlan(self.stages, stage, self.schedule, self.microbatches))
+        return pipeline_stage(step, PipelinePlan(self.stages, stage, self.schedule, self.microbatches, self.split))
 
 
 def pipeline_stage(step: StepGraph, plan: PipelinePlan) -> StepGraph:
@@ -138,7 +151,8 @@ class _Stage:
             raise ValueError("pipeline stages are built from a step traced with two micro-steps")
         self.step, self.plan = step, plan
         structure = step.structure
-        self.blocks = tuple(structure.blocks[i] for i in layer_split(len(structure.blocks), plan.stages)[plan.stage])
+        layers = layer_split(len(structure.blocks), plan.stages, plan.split)[plan.stage]
+        self.blocks = tuple(structure.blocks[i] for i in layers)
         self.parameter_modules = {
             row.param.rpartition(".")[0] for row in step.storages.values() if row.role is Role.PARAMETER and row.param
         }

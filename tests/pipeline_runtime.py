@@ -207,7 +207,7 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
         # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
         dtype = torch.bfloat16 if sharded_mixed else next(causal_lm.parameters()).dtype
         model_loss = causal_lm.loss_function  # transformers' ForCausalLMLoss: shifts the labels itself
-        layers = layer_split(config.num_hidden_layers, stages)[stage]
+        layers = layer_split(config.num_hidden_layers, stages, layout.pp_split)[stage]
         module = _Stage(causal_lm, layers, first, last)
         del causal_lm
         gc.collect()

@@ -78,6 +78,7 @@ def test_stages_compose_with_the_variants(options):
         # under the mixed-precision policy) until perform_reduce_grad
         (Layout(gpus=4, pp=2, zero=3, microbatches=4), {"mixed_precision": "bf16"}),
         (Layout(gpus=8, pp=2, tp=2, zero=2, microbatches=4), {}),
+        (Layout(gpus=3, pp=3, pp_split=(1, 3, 4), microbatches=3), {}),  # --pp-split: the last stage the largest
         pytest.param(Layout(gpus=4, pp=2, zero=2, microbatches=4), {"mixed_precision": "bf16"}, marks=SLOW),
         pytest.param(Layout(gpus=8, pp=4, zero=3, pp_schedule="gpipe", microbatches=4), {}, marks=SLOW),
         pytest.param(Layout(gpus=6, pp=2, zero=2, pp_schedule="gpipe", microbatches=2), {}, marks=SLOW),
@@ -117,6 +118,8 @@ def test_report_lists_every_stage():
         ({"gpus": 8, "pp": 4, "zero": 3, "offload": "optimizer,params"}, {}, "--offload with --pp"),
         ({"gpus": 2, "pp": 2}, {"grad_accum": 2}, "give --microbatches 4 instead"),
         ({"gpus": 2, "microbatches": 4}, {}, "add --pp 2 or more"),
+        ({"gpus": 4, "pp": 4, "pp_split": (4, 4)}, {}, "4 counts, e.g. --pp-split 8,8,8,8"),
+        ({"gpus": 4, "pp": 4, "pp_split": (2, 2, 2, 3)}, {}, "gives 9 decoder layers, and the model has 8"),
         ({"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b"}, {}, "interleaved 1F1B and zero-bubble"),
         ({"gpus": 4, "pp": 4, "microbatches": 2}, {}, "1f1b needs at least as many microbatches as stages"),
     ],
