@@ -30,9 +30,9 @@ def _linears(family: str, **overrides) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
 
 
-def _packed(family: str, quantization: dict, **overrides) -> dict[str, PackedLinear]:
-    with torch.device("meta"):
-        model = build_model(tiny_model(family, quantization_config=quantization, **overrides).config, INFERENCE)
+def _packed(family: str, quantization: dict, device: str = "meta") -> dict[str, PackedLinear]:
+    with torch.device(device):
+        model = build_model(tiny_model(family, quantization_config=quantization).config, INFERENCE)
     return {name: module for name, module in model.named_modules() if isinstance(module, PackedLinear)}
 
 
@@ -114,18 +114,13 @@ def test_the_parameter_count_is_the_models():
 
 def _saved_shapes(quantization: dict, rows: int) -> list[tuple[int, ...]]:
     """What autograd keeps of one layer's forward in training, run eagerly on real CPU tensors."""
-    layer = next(iter(_packed_real(quantization).values()))  # the first layer's q_proj
+    layer = next(iter(_packed("llama", quantization, device="cpu").values()))  # the first layer's q_proj
     x = torch.randn(rows, layer.in_features, dtype=torch.float16, requires_grad=True)
     saved: list[tuple[int, ...]] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
         layer.train()(x).sum().backward()
     assert x.grad.shape == x.shape
     return saved
-
-
-def _packed_real(quantization: dict) -> dict[str, PackedLinear]:
-    model = build_model(tiny_model("llama", quantization_config=quantization).config, INFERENCE)
-    return {name: module for name, module in model.named_modules() if isinstance(module, PackedLinear)}
 
 
 def test_gptq_training_keeps_the_dequantized_weight_and_awq_does_not():

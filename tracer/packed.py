@@ -158,9 +158,8 @@ def packed_tensors(fmt: PackedFormat, in_features: int, out_features: int, bias:
     return tensors
 
 
-def packed_modules(model: nn.Module, config: PretrainedConfig) -> dict[str, nn.Module]:
+def packed_modules(model: nn.Module, config: PretrainedConfig, fmt: PackedFormat) -> dict[str, nn.Module]:
     """The layers transformers replaces by quantized ones, by name."""
-    fmt = packed_format(config)
     if fmt.method == "awq":
         from transformers.quantizers import AutoHfQuantizer
         from transformers.quantizers.quantizers_utils import should_convert_module
@@ -190,7 +189,7 @@ def packed_modules(model: nn.Module, config: PretrainedConfig) -> dict[str, nn.M
 def replace_packed_linears(model: nn.Module, config: PretrainedConfig) -> None:
     """Swap the layers transformers quantizes for ``PackedLinear`` (and AWQ's scaled activations in)."""
     fmt = packed_format(config)
-    for name, module in packed_modules(model, config).items():
+    for name, module in packed_modules(model, config, fmt).items():
         if not _returns_its_output(module):
             raise UserError(
                 f"transformers' AWQ loading replaces {name}, a {type(module).__name__} (an nn.Linear returning more "

@@ -16,9 +16,9 @@ them on the GPU (transformers 5.24).
 
 FP8 and MXFP4 are counted for inference only (fine-tuning loads them dequantized). Their step is traced with 16-bit
 weights and the published bytes stand in for them: the kernels that read the quantized weights allocate what the
-16-bit path does or less. FP8's Triton matmul quantizes its input inside the
-kernel and allocates only its output, as ``F.linear`` does; MXFP4's ``matmul_ogs`` fuses the routing gather, the
-SwiGLU and the scatter that the bf16 experts run as separate ops, so the experts' activations are an upper bound.
+16-bit path does or less. FP8's Triton matmul quantizes its input inside the kernel and allocates only its output,
+as ``F.linear`` does; MXFP4's ``matmul_ogs`` fuses the routing gather, the SwiGLU and the scatter that the bf16
+experts run as separate ops, so the experts' activations are an upper bound.
 """
 
 from __future__ import annotations
