@@ -63,6 +63,9 @@ GPTQ_FORMATS = ("gptq", "gptq_v2")  # the same tensors; v2 stores the zeros with
 AWQ_BITS = (4,)  # every AWQ GEMM kernel's SUPPORTS_BITS
 AWQ_FORMAT = "gemm"  # AwqFormat.GEMM, the default; GEMV and GEMV_FAST lay the words out otherwise
 AWQ_DEQUANTIZE_ROWS = 1024  # AwqGemmFn: more rows than this dequantize the weight and run torch.matmul
+COUNT_IN_DTYPE = (
+    "count its weights in --dtype with --dequantize (inference) or a config.json without quantization_config."
+)
 # optimum/gptq/constants.py: where the decoder blocks are, first match wins
 BLOCK_PATTERNS = (
     "transformer.h",
@@ -94,7 +97,6 @@ class PackedFormat:
     method: str  # "gptq" or "awq"
     bits: int
     group_size: int  # -1: one group over all the input features
-    modules_to_not_convert: tuple[str, ...] | None = None  # AWQ
     modules_in_block: tuple[str, ...] | None = None  # GPTQ's modules_in_block_to_quantize, flattened
 
     def groups(self, in_features: int) -> int:
@@ -120,8 +122,7 @@ def packed_format(config: PretrainedConfig) -> PackedFormat:
         if bits not in GPTQ_BITS or layout not in GPTQ_FORMATS:
             raise UserError(
                 f"A GPTQ checkpoint of {bits} bits in format {layout!r} is not modelled (GPTQ in formats "
-                f"{', '.join(GPTQ_FORMATS)} of {', '.join(map(str, GPTQ_BITS))} bits is): pass --dequantize to count "
-                "its weights in --dtype."
+                f"{', '.join(GPTQ_FORMATS)} of {', '.join(map(str, GPTQ_BITS))} bits is): {COUNT_IN_DTYPE}"
             )
         blocks = fields.get("modules_in_block_to_quantize")
         names = tuple(name for group in blocks for name in group) if blocks else None
@@ -130,10 +131,9 @@ def packed_format(config: PretrainedConfig) -> PackedFormat:
     if bits not in AWQ_BITS or layout != AWQ_FORMAT:
         raise UserError(
             f"An AWQ checkpoint of {bits} bits in version {layout!r} is not modelled (AWQ {AWQ_FORMAT} of 4 bits is): "
-            "pass --dequantize to count its weights in --dtype."
+            + COUNT_IN_DTYPE
         )
-    skipped = fields.get("modules_to_not_convert")
-    return PackedFormat(method, bits, group_size, modules_to_not_convert=tuple(skipped) if skipped else None)
+    return PackedFormat(method, bits, group_size)
 
 
 def packed_tensors(fmt: PackedFormat, in_features: int, out_features: int, bias: bool) -> dict[str, PublishedTensor]:
