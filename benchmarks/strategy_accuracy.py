@@ -94,6 +94,25 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         layout = Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches)
         for stage in range(stages):
             found.append(("llama", layout, Rank(pp=stage), {"num_hidden_layers": 8, "vocab_size": 32}, options))
+    for layout, options in (  # each stage under the data- and tensor-parallel runtimes, as torchtitan composes them
+        (Layout(gpus=4, pp=2, zero=0, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, pp=2, zero=1, microbatches=4), {"grad_checkpointing": "full"}),
+        (Layout(gpus=4, pp=2, zero=2, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, pp=2, zero=3, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=8, pp=4, zero=3, pp_schedule="gpipe", microbatches=4), {}),
+        (Layout(gpus=6, pp=2, zero=2, pp_schedule="gpipe", microbatches=2), {}),
+        (
+            Layout(gpus=4, pp=2, zero=3, microbatches=4),
+            {"lora": adapters, "mixed_precision": "bf16", "grad_checkpointing": "full"},
+        ),
+        (Layout(gpus=4, pp=2, tp=2, microbatches=4), {}),
+        (Layout(gpus=4, pp=2, tp=2, tp_output="gathered", microbatches=4), {}),
+        (Layout(gpus=8, pp=2, tp=2, zero=2, microbatches=4), {}),
+        (Layout(gpus=8, pp=2, tp=2, zero=3, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=3, pp=3, pp_split=(1, 3, 4), microbatches=3), {}),
+    ):
+        for stage in range(layout.pp):
+            found.append(("llama", layout, Rank(pp=stage), BACKWARD_PEAK, options))
     titan_adapters = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
     for layout, overrides, options in (
         (Layout(gpus=4, zero=3), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),

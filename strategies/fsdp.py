@@ -307,23 +307,24 @@ class _Fsdp:
                 self.accumulate_in_float32(unit, end if unit == ROOT else last, ops)
 
     def accumulate_in_float32(self, unit: str, last: int, ops: range) -> None:
+        """The float32 copy is the gradient's size, which is the parameter's but for a vocabulary-parallel
+        embedding's (DTensor computes it at full size)."""
         post_backward = self.rw.after(last, "fsdp.post_backward (accumulate)", unit, Phase.BACKWARD)
-        names = [name for name in self.units[unit] if name in self.trained]
         if unit not in self.float32_grads:
-            for row in self.grads[unit]:
-                if row.producer in ops:
-                    self.rw.retime(row.id, last=post_backward)
+            made = [row for row in self.grads[unit] if row.producer in ops]
+            for row in made:
+                self.rw.retime(row.id, last=post_backward)
             self.float32_grads[unit] = [
                 self.rw.add(
-                    self.params[name].numel * FLOAT32_BYTES,
+                    row.nbytes // element_size(row.dtype) * FLOAT32_BYTES,
                     Role.GRADIENT,
                     post_backward,
                     None,
-                    f"{name} (unsharded accumulated gradient)",
+                    f"{row.param} (unsharded accumulated gradient)",
                     "float32",
-                    name,
+                    row.param,
                 )
-                for name in names
+                for row in made
             ]
             return
         for row in self.accumulated[unit]:
