@@ -19,6 +19,7 @@ from strategies.pipeline import SCHEDULES, PipelineParallel
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.errors import UserError
+from tracer.expert_parallel import Routing, routing_of
 from tracer.graph import StepGraph
 from tracer.published import refuse_with_tensor_parallelism
 from tracer.training import TrainingSetup
@@ -41,7 +42,8 @@ class Layout:
 
     gpus: int = 1
     tp: int = 1
-    ep: int = 1  # expert parallelism: MoE layers' experts split whole over this many of the tensor-parallel ranks
+    ep: int = 1  # expert parallelism: MoE layers' experts split whole over this many ranks (tracer/expert_parallel.py)
+    routing_imbalance: float = 1.0  # training with ep: the busiest rank's experts get this many times their share
     pp: int = 1
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: as many as stages
@@ -62,6 +64,8 @@ class Layout:
             raise UserError(f"--pp must be at least 1 (got {self.pp}).")
         if self.ep < 1:
             raise UserError(f"--ep must be at least 1 (got {self.ep}).")
+        if self.routing_imbalance != 1 and self.ep == 1:
+            raise UserError("--routing-imbalance sets how unevenly --ep's routed tokens spread: add --ep 2 or more.")
         if self.gpus % (self.tp * self.pp):
             split = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp}"
             degree = "gpus / tp" if self.pp == 1 else "gpus / (tp x pp)"
@@ -166,6 +170,8 @@ class Layout:
             gathered = ", gathered logits" if self.tp_output == "gathered" else ""
             experts = f", experts expert parallel {self.ep}" if self.ep > 1 else ""
             parts.append(f"tensor parallel {self.tp}{sequence}{gathered}{experts}")
+        elif self.ep > 1:
+            parts.append(f"expert parallel {self.ep}")
         runtime = data_parallel(self)
         if runtime is not None:
             parts.append(f"{runtime.name} over {self.dp}" if self.dp > 1 else runtime.name)
@@ -216,7 +222,7 @@ def data_parallel(layout: Layout) -> DataParallel | None:
     if layout.dp == 1:
         return None
     if layout.zero == 0:
-        return Ddp()
+        return Ddp(experts_left_out=layout.ep > 1)
     if layout.zero == 1:
         return ZeroRedundancy(world=layout.dp)
     return Fsdp2(layout.dp, layout.zero == 3, offload_params, layout.tp)
@@ -275,11 +281,7 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     against the traced model when the plan is applied."""
     if setup.mode == "inference":
         return _prepare_inference(layout, setup, config)
-    if layout.ep > 1:
-        raise UserError(
-            "--ep is modelled for --mode inference (transformers' DistributedConfig(tp_size=N, ep_size=N)); expert "
-            "parallelism in training, whose all-to-all exchanges depend on the routing, is not modelled yet."
-        )
+    routing = _expert_parallel_routing(layout, setup, config) if layout.ep > 1 else None
     if layout.engine == "deepspeed":
         hidden_size = getattr(config, "hidden_size", None)
         layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(hidden_size))
@@ -314,6 +316,10 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     if pipeline is not None:
         traced = pipeline.traced_setup(traced)
     assumptions = {"mixed_precision_recipe": recipe} if recipe else {}
+    if routing is not None:
+        traced = dataclasses.replace(traced, expert_parallel=layout.ep, routing_imbalance=layout.routing_imbalance)
+        assumptions["expert_parallel"] = EXPERT_PARALLEL_TRAINING
+        assumptions["expert_routing"] = routing.describe(setup.batch_size * setup.seq_len)
     if not layout.plain:
         assumptions["layout"] = layout.describe()
         if pipeline is not None:
@@ -323,6 +329,45 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         if data is not None:
             assumptions["data_parallel"] = data.note
     return PreparedLayout(layout, setup, traced, tensor, data, pipeline, assumptions)
+
+
+EXPERT_PARALLEL_TRAINING = (
+    "torchtitan's AllToAllTokenDispatcher over all the GPUs, each holding 1/ep of every MoE layer's experts: the "
+    "routed tokens exchanged by all_to_all_single, run by grouped matmuls on the rows received, sent back; the "
+    "dense parameters under DDP, the experts' gradients complete on their one GPU"
+)
+
+
+def _expert_parallel_routing(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> Routing:
+    """Refuse what expert parallelism in training is not modelled with (each refusal names what is), else the
+    routing the traced rank assumes."""
+    if config is None:
+        raise UserError("--ep splits a transformers MoE model's experts by its ep_plan; a custom model has none.")
+    if layout.tp > 1 or layout.pp > 1:
+        raise UserError(
+            "--ep with --tp or --pp in training is not modelled yet (not checked against a runtime): drop one of them."
+        )
+    if layout.zero or layout.engine != "fsdp" or layout.offload:
+        raise UserError(
+            "--ep in training is modelled with DDP over the dense parameters (--zero 0): torchtitan's FSDP2 layout, "
+            "the experts sharded over gpus / ep GPUs in a parameter group of their own, is not modelled yet; "
+            "ZeroRedundancyOptimizer, DeepSpeed and offloading are not modelled with --ep."
+        )
+    if layout.ep != layout.dp:
+        raise UserError(
+            f"--ep {layout.ep} in training must equal --gpus {layout.gpus}: each expert then lives on one GPU, whose "
+            "gradient the all-to-all's backward completes; experts repeated over gpus / ep GPUs would need their "
+            "gradients reduced over those, which is not modelled."
+        )
+    unchecked = {
+        "--lora-r, --qlora": setup.lora or setup.quantize,
+        "--grad-accum": setup.grad_accum > 1,
+        "--keep-outputs, --accelerate-prepared": setup.keep_outputs or setup.accelerate_prepared,
+    }
+    used = [flag for flag, value in unchecked.items() if value]
+    if used:
+        raise UserError(f"{', '.join(used)} with --ep is not modelled yet (not checked against a runtime): drop it.")
+    return routing_of(config, layout.ep, layout.routing_imbalance)
 
 
 def _refuse_quantized_tensor_parallel(layout: Layout, setup: TrainingSetup) -> None:
@@ -336,6 +381,11 @@ def _refuse_quantized_tensor_parallel(layout: Layout, setup: TrainingSetup) -> N
 
 def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
     """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
+    if layout.routing_imbalance != 1:
+        raise UserError(
+            "--routing-imbalance applies to --ep in training: at inference each GPU runs its experts on every routed "
+            "token, masked or not (AllReduceEP), whatever the routing."
+        )
     if layout.ep not in (1, layout.tp):
         raise UserError(
             f"--ep {layout.ep} at inference must equal --tp {layout.tp}: transformers runs expert parallelism over the "

@@ -273,7 +273,7 @@ def test_moe_report_says_how_the_experts_run():
 @pytest.mark.parametrize(
     ("family", "layout", "mode", "message"),
     [
-        ("qwen3_moe", Layout(gpus=2, tp=2, ep=2), "train", "modelled for --mode inference"),
+        ("qwen3_moe", Layout(gpus=2, tp=2, ep=2), "train", "--tp or --pp in training"),
         ("qwen3_moe", Layout(gpus=2, tp=1, ep=2), "inference", "must equal --tp 1"),
         ("llama", Layout(gpus=2, tp=2, ep=2), "inference", "no expert-parallel plan for Llama"),
         ("qwen3_moe", Layout(gpus=8, tp=8, ep=8), "inference", "--ep 8 must divide the 4 experts"),

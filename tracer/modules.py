@@ -112,7 +112,8 @@ class ModuleScope:
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(all, trainable) parameters, counting a quantized weight by the elements it stands for, not the bytes
     that pack them (quantized layers say so with ``logical_weight_numel``, or ``packed_parameter_numel`` where the
-    packed tensors are buffers)."""
+    packed tensors are buffers), and an expert-parallel rank's experts by all the ranks' (``expert_parallel_degree``:
+    each holds as many)."""
     total = trainable = 0
     seen: set[int] = set()  # tied weights count once
     for module in model.modules():
@@ -122,6 +123,7 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
                 continue
             seen.add(id(param))
             numel = getattr(module, "logical_weight_numel", param.numel()) if name == "weight" else param.numel()
+            numel *= getattr(module, "expert_parallel_degree", 1)
             total += numel
             trainable += numel if param.requires_grad else 0
     return total, trainable
@@ -135,6 +137,7 @@ def model_structure(model: nn.Module) -> ModelStructure:
         input_embedding=names[id(embedding)] if embedding is not None else "",
         output_embedding=names.get(id(output)) if output is not None else None,
         tp_plan=dict(getattr(model, "_tp_plan", None) or {}),
+        ep_plan=dict(getattr(model, "_ep_plan", None) or {}),
         model_class=type(model).__name__,
     )
 

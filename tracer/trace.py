@@ -66,6 +66,7 @@ class ModelStructure:
     input_embedding: str = ""  # module path of the token embedding
     output_embedding: str | None = None  # module path of the lm_head, if the model has one
     tp_plan: dict[str, str] = field(default_factory=dict)  # transformers' own: module path pattern -> style
+    ep_plan: dict[str, str] = field(default_factory=dict)  # transformers' expert-parallel plan, the same way
     model_class: str = ""
 
 

@@ -27,7 +27,7 @@ from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
 from tracer.errors import UserError
-from tracer.expert_parallel import shard_experts
+from tracer.expert_parallel import AssumedExchange, routing_of, shard_experts
 from tracer.gpus import find_gpu
 from tracer.inference import InferenceStep
 from tracer.layers import LayerPlan, plan_layers
@@ -134,8 +134,11 @@ def _record(
         if plan is not None:
             plan.widen(net.config)
         counts = count_parameters(net)  # the model's, not one expert-parallel rank's
-        if setup.expert_parallel > 1:
-            shard_experts(net, setup.expert_parallel)
+        if setup.expert_parallel > 1:  # training exchanges the tokens as the routing assumption says
+            exchange = None
+            if setup.mode == "train":
+                exchange = AssumedExchange(routing_of(net.config, setup.expert_parallel, setup.routing_imbalance))
+            shard_experts(net, setup.expert_parallel, exchange=exchange)
         batch = model.batch(setup, "cpu")
         if setup.mode == "inference":
             optimizer, step = None, InferenceStep(net, model.config, setup)
@@ -314,10 +317,15 @@ class traced_errors(AbstractContextManager):
         ) from None
 
 
-def _experts_assumptions(config) -> dict[str, str]:
-    """How a MoE model's experts run, and so why the routing does not change the estimate."""
+def _experts_assumptions(config, setup: TrainingSetup) -> dict[str, str]:
+    """How a MoE model's experts run, and so why the routing does or does not change the estimate."""
     if config is None or not any(getattr(config, field, None) for field in EXPERT_COUNTS):
         return {}
+    if setup.expert_parallel > 1 and setup.mode == "train":
+        return {
+            "moe_experts": "torchtitan's all-to-all token dispatcher: the routed tokens sent to the GPUs holding their "
+            "experts, run there by grouped matmuls over the rows each GPU receives (expert_routing), sent back"
+        }
     implementation = getattr(config, "_experts_implementation", None) or "eager"
     if implementation == "grouped_mm":
         return {
@@ -345,7 +353,7 @@ def _assumptions(model: Model, config, setup: TrainingSetup, optimizer, emulatio
             else _training_assumptions(config, setup, optimizer)
         ),
         "attention_implementation": attention,
-        **_experts_assumptions(config),
+        **_experts_assumptions(config, setup),
         "allocation_rounding_bytes": MIN_BLOCK_SIZE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -103,6 +103,8 @@ class TrainingSetup:
     dequantize: bool = False
     # the rank traced holds 1/N of each MoE layer's experts: set by the layout's --ep (tracer/expert_parallel.py)
     expert_parallel: int = 1
+    # training with --ep: the busiest rank's experts receive this many times their share of the routed tokens
+    routing_imbalance: float = 1.0
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
@@ -200,5 +202,5 @@ class TrainingSetup:
         data["target"] = self.target.value
         for name in INFERENCE_ONLY if self.mode == "train" else TRAINING_ONLY:
             del data[name]
-        del data["expert_parallel"]  # the layout's (--ep), reported with it
+        del data["expert_parallel"], data["routing_imbalance"]  # the layout's (--ep), reported with it
         return data
