@@ -469,8 +469,16 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel degree of a MoE model: each GPU holds 1/ep of every MoE layer's experts, whole. "
         "With --mode inference it equals --tp, as transformers runs it (DistributedConfig(tp_size=N, ep_size=N): "
-        "each GPU runs its experts on the whole batch and the outputs are all-reduced); not modelled in "
-        "training yet (default 1)",
+        "each GPU runs its experts on the whole batch and the outputs are all-reduced); in training it equals "
+        "--gpus, as torchtitan's all-to-all token dispatcher runs it, the dense parameters under DDP (default 1)",
+    )
+    group.add_argument(
+        "--routing-imbalance",
+        type=rate,
+        default=1.0,
+        metavar="X",
+        help="with --ep in training: the busiest GPU's experts receive X times their share of the routed tokens, "
+        "for capacity planning; that GPU is reported (default 1: balanced routing)",
     )
     group.add_argument(
         "--pp",
@@ -627,6 +635,7 @@ def layout_of(args: argparse.Namespace):
         gpus=args.gpus,
         tp=args.tp,
         ep=args.ep,
+        routing_imbalance=args.routing_imbalance,
         pp=args.pp,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,

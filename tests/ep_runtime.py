@@ -13,6 +13,8 @@ change what is allocated."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from pipeline_runtime import _LocalStorageRecorder
 from runtimes import data_parallel, fake_process_group
@@ -114,6 +116,8 @@ def expert_parallel_peak(
             wrapped, buckets = data_parallel(net, mesh.get_group())
         optimizer = build_optimizer(net, setup, foreach=None)
         step = TrainingStep(wrapped, optimizer, loss_fn=model.loss_fn)
+        if setup.autocast_dtype is not None:
+            step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
         batch = model.batch(setup, "cpu")
         step.run(batch)
         step.run(batch)

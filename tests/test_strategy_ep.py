@@ -5,10 +5,13 @@ PyTorch's own ``all_to_all_single`` on a fake process group and the router force
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from ep_runtime import expert_parallel_peak, forced_routing
 from tiny_models import deep_tiny_model
 
+from analysis.cli import EXIT_USER_ERROR, main
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from tracer.errors import UserError
@@ -106,3 +109,16 @@ def test_routing_imbalance_needs_expert_parallelism():
     inference = TrainingSetup(mode="inference", dtype="bf16")
     with pytest.raises(UserError, match="applies to --ep in training"):
         prepare(Layout(gpus=2, tp=2, ep=2, routing_imbalance=2), inference, deep_tiny_model("qwen3_moe", 4).config)
+
+
+def test_command_line_reports_the_routing(tmp_path, capsys):
+    """``--routing-imbalance`` reaches the trace and the report's assumptions; out of range, one error line."""
+    config = tmp_path / "config.json"
+    config.write_text(deep_tiny_model("qwen3_moe", 4, vocab_size=32).config.to_json_string())
+    flags = ["analyze", str(config), "--target", "cpu", "--seq-len", "32", "--gpus", "2", "--ep", "2"]
+    assert main([*flags, "--routing-imbalance", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layout"]["routing_imbalance"] == 2
+    assert "receives 2 times its share" in report["setup"]["expert_routing"]
+    assert main([*flags, "--routing-imbalance", "3"]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --routing-imbalance must be from 1")
