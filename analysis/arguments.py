@@ -13,14 +13,18 @@ from tracer.errors import UserError
 from tracer.gpus import PCIE_4_X16_GBPS
 from tracer.training import (
     ATTENTIONS,
+    CACHE_BACKENDS,
     CACHES,
     CHECKPOINTING,
+    DEVICE_MAPS,
     DTYPES,
     INFERENCE_ONLY,
     MODES,
     OPTIMIZER_IMPLS,
     OPTIMIZERS,
+    DeviceMap,
     LoraSetup,
+    Sampling,
     Target,
     TrainingSetup,
 )
@@ -341,7 +345,39 @@ def _add_inference_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens", type=count(), default=None, help="tokens generated after the prompt (default 1)"
     )
     group.add_argument(
-        "--cache", choices=CACHES, default=None, help="transformers' DynamicCache (default) or StaticCache"
+        "--cache",
+        choices=CACHES,
+        default=None,
+        help="generate()'s cache_implementation: dynamic (DynamicCache, the default), static (StaticCache), offloaded "
+        "and offloaded_static (the same with every layer in host memory but the one being updated and the next), "
+        "quantized (QuantizedCache, with --cache-backend)",
+    )
+    group.add_argument(
+        "--cache-backend",
+        choices=CACHE_BACKENDS,
+        default=None,
+        help="with --cache quantized: fp8, transformers' own FP8 layers (cache_config={'backend': 'fp8'}); quanto and "
+        "hqq, which need libraries of their own, are not modelled",
+    )
+    group.add_argument(
+        "--do-sample",
+        action="store_const",
+        const=True,
+        default=None,
+        help="generate(do_sample=True): the logits processors, softmax and multinomial sampling instead of the argmax; "
+        "with GenerationConfig's defaults (top-k 50) unless --temperature, --top-k or --top-p say otherwise",
+    )
+    group.add_argument(
+        "--temperature", type=rate, default=None, help="with --do-sample: TemperatureLogitsWarper (default 1.0: none)"
+    )
+    group.add_argument(
+        "--top-k",
+        type=count(minimum=0),
+        default=None,
+        help="with --do-sample: TopKLogitsWarper (default 50; 0: none)",
+    )
+    group.add_argument(
+        "--top-p", type=_probability, default=None, help="with --do-sample: TopPLogitsWarper (default 1.0: none)"
     )
     group.add_argument(
         "--logits-to-keep",
@@ -455,6 +491,14 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.set_defaults(zero_config=None)  # DeepSpeed's zero_optimization sizes, from a --config file
     group.add_argument("--gpus", type=count(), default=1, help="total number of GPUs (default 1)")
+    group.add_argument(
+        "--device-map",
+        choices=DEVICE_MAPS,
+        default=None,
+        help="with --mode inference: from_pretrained(device_map=...) over --gpus GPUs, as accelerate places the "
+        "layers (infer_auto_device_map with the GPUs' free memory) and its hooks run them one GPU after another; "
+        "every GPU is reported",
+    )
     group.add_argument(
         "--tp",
         type=count(),
@@ -627,10 +671,12 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def layout_of(args: argparse.Namespace):
-    """The parallel layout the flags describe."""
+    """The parallel layout the flags describe; a device map's GPUs are the setup's (:func:`setup_of`)."""
     from strategies.deepspeed import ZeroConfig
     from strategies.layout import Layout
 
+    if getattr(args, "device_map", None):
+        return Layout()
     return Layout(
         gpus=args.gpus,
         tp=args.tp,
@@ -671,6 +717,14 @@ def setup_of(args: argparse.Namespace) -> TrainingSetup:
         for name in ("mode", *INFERENCE_ONLY)
         if hasattr(args, name)
     }
+    if getattr(args, "do_sample", None):
+        inference["sampling"] = Sampling(
+            temperature=_given(args.temperature, Sampling.temperature),
+            top_k=_given(args.top_k, Sampling.top_k),
+            top_p=_given(args.top_p, Sampling.top_p),
+        )
+    if getattr(args, "device_map", None):
+        inference["device_map"] = DeviceMap(args.device_map, args.gpus)
     dtype, mixed_precision = _precision(args, quantized=quantize is not None)
     return TrainingSetup(
         batch_size=getattr(args, "batch_size", 1),
@@ -713,6 +767,14 @@ def _precision(args: argparse.Namespace, quantized: bool) -> tuple[str, str | No
     return "fp32", low
 
 
+def _probability(text: str) -> float:
+    """A probability mass in (0, 1] (``--top-p``)."""
+    value = rate(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def _given(value, default):
     """A flag whose default is None so that giving it can be told apart from leaving it out."""
     return default if value is None else value
@@ -731,9 +793,21 @@ def _refuse_flags_that_do_not_apply(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} sets up LoRA adapters: add --lora-r R (or --qlora).")
     if inference and given("optimizer"):
         raise UserError("--optimizer does not apply to inference: drop it with --mode inference.")
-    for name in INFERENCE_ONLY:
+    for name in (*INFERENCE_ONLY, "do_sample", "device_map"):
         if given(name) and not inference:
             raise UserError(f"--{name.replace('_', '-')} applies to generation: add --mode inference.")
+    for name in ("temperature", "top_k", "top_p"):
+        if given(name) and not given("do_sample"):
+            raise UserError(f"--{name.replace('_', '-')} applies to sampling: add --do-sample (greedy ignores it).")
+    if given("device_map"):
+        layout = {"--tp": args.tp > 1, "--ep": args.ep > 1, "--pp": args.pp > 1, "--zero": args.zero}
+        layout |= {"--offload": args.offload, "--sequence-parallel": args.sequence_parallel}
+        used = [flag for flag, value in layout.items() if value]
+        if used:
+            raise UserError(
+                f"--device-map runs whole layers on each GPU, one GPU after another: drop {', '.join(used)} (or drop "
+                "--device-map for transformers' tensor parallelism, --tp)."
+            )
     if hasattr(args, "offload") and args.offload is None and given("pcie_gbps"):
         raise UserError("--pcie-gbps times transfers to host memory: add --offload, or drop it.")
     if getattr(args, "target", "cuda") == "cpu" and given("gpu"):

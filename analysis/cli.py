@@ -226,13 +226,18 @@ def _run_gpus(args: argparse.Namespace) -> int:
 
 
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
-    """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks)."""
+    """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks); under a
+    device map, every GPU's."""
+    from analysis.device_map import estimate_device_map
     from analysis.estimate import estimate
 
     _warn_about_length(model, setup)
     start = time.perf_counter()
     with _progress_bar(args, f"tracing {model.model_id}", unit="", leave=False) as bar:
-        result = estimate(model, setup, layout, progress=bar)
+        if setup.device_map is not None:
+            result = estimate_device_map(model, setup, progress=bar)
+        else:
+            result = estimate(model, setup, layout, progress=bar)
     what = "inference" if setup.mode == "inference" else "one training step"
     _progress(args, f"Traced {what} of {model.model_id} on fake tensors in {time.perf_counter() - start:.1f} s.")
     return result
@@ -386,6 +391,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     setup = setup_of(args)
     layout = layout_of(args)
+    if setup.device_map is not None:
+        raise UserError("compare's formulas count one GPU's share of a layout, not a device map's: drop --device-map.")
     model = resolve_model(args.model)
     result = _estimate(args, model, setup, layout)
     shape = model_shape(model, setup)

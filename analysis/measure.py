@@ -8,7 +8,6 @@ rounds it, and reports the largest total seen at any moment.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,6 +21,7 @@ from analysis.report import MemoryReport, build_report
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
 from tracer.graph import build_graph
+from tracer.inference import generation_config
 from tracer.modules import ModuleScope, count_parameters, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, as_model
@@ -70,6 +70,11 @@ def measure_step(model: str | Model, setup: TrainingSetup) -> StepResult:
     """:func:`measure`, keeping the recorded step and its timeline."""
     require_device(setup.target)
     cuda = setup.target is Target.CUDA
+    if not cuda and setup.mode == "inference" and setup.cache.startswith("offloaded"):
+        raise UserError(
+            f"--cache {setup.cache} moves the cache between a GPU and host memory, which a CPU run cannot tell "
+            "apart: measure it with --target cuda on a GPU."
+        )
     model = as_model(model)
     _refuse_if_too_large(model, setup)
     device = torch.device("cuda" if cuda else "cpu")
@@ -113,8 +118,8 @@ _SKIPPED_MESSAGE = (
 
 @dataclass
 class Generation:
-    """What users run: ``model.generate()`` itself, greedy, with the cache ``setup.cache`` names, for exactly
-    ``setup.max_new_tokens`` tokens (no stop or pad token, so every sequence runs to the end). Each forward
+    """What users run: ``model.generate()`` itself, greedy or sampling, with the cache ``setup.cache`` names, for
+    exactly ``setup.max_new_tokens`` tokens (no stop or pad token, so every sequence runs to the end). Each forward
     tells ``on_phase`` whether it is the prefill or a decode step."""
 
     model: nn.Module
@@ -124,11 +129,7 @@ class Generation:
     kept_outputs: None = None
 
     def run(self, batch, on_phase=lambda phase: None, micro_steps: int = 1, recorder=None) -> None:
-        generation = copy.deepcopy(self.model.generation_config)
-        generation.eos_token_id = generation.pad_token_id = None
-        generation.do_sample = False
-        generation.max_new_tokens = self.setup.max_new_tokens
-        generation.cache_implementation = "static" if self.setup.cache == "static" else None
+        generation = generation_config(self.model, self.setup)
         # generate() passes logits_to_keep=1 itself; any other choice is the caller's
         chosen = {"logits_to_keep": self.setup.logits_to_keep} if self.setup.logits_to_keep != 1 else {}
         forwards = 0

@@ -12,6 +12,7 @@ from typing import Any
 from tabulate import tabulate
 
 from analysis.budget import MemoryBudget
+from analysis.device_map import estimate_device_map
 from analysis.estimate import analyze
 from analysis.report import MemoryReport
 from strategies.layout import Layout
@@ -95,7 +96,11 @@ def run_sweep(
     for done, values in enumerate(combinations):
         on_point(done, len(combinations), values)
         point_setup = dataclasses.replace(setup, **{AXES[name]: value for name, value in values.items()})
-        points.append(SweepPoint(values, analyze(model, point_setup, layout)))
+        if point_setup.device_map is not None:
+            report = estimate_device_map(model, point_setup).report
+        else:
+            report = analyze(model, point_setup, layout)
+        points.append(SweepPoint(values, report))
     return Sweep(axes, points, gpu)
 
 
@@ -103,7 +108,7 @@ def render_sweep(sweep: Sweep, model_id: str) -> str:
     first = sweep.points[0].report
     inference = first.setup.mode == "inference"
     what = "inference" if inference else "one fine-tuning step"
-    scope = "one GPU" if first.layout.plain else f"per GPU, {first.layout.describe()}"
+    scope = "on one GPU" if first.layout.plain else f"per GPU, {first.layout.describe()}"
     headers = [*sweep.axes, "peak", "phase"] + (["kv_cache at peak"] if inference else [])
     rows = []
     for point in sweep.points:
@@ -114,7 +119,7 @@ def render_sweep(sweep: Sweep, model_id: str) -> str:
         if sweep.budget:
             row += [format_bytes(sweep.budget.needed_bytes(report)), "yes" if sweep.fits(point) else "no"]
         rows.append(row)
-    lines = [f"{model_id}: {what}, estimated peak allocated memory on {scope}", ""]
+    lines = [f"{model_id}: {what}, estimated peak allocated memory {scope}", ""]
     if sweep.gpu:
         headers += ["GPU memory", f"fits {sweep.gpu.name}"]
     lines.append(tabulate(rows, headers=headers, colalign=("right",) * len(sweep.axes)))

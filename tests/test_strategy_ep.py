@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from ep_runtime import expert_parallel_peak, forced_routing
 from tiny_models import deep_tiny_model
 
@@ -17,6 +18,7 @@ from strategies.layout import Layout, Rank, prepare
 from tracer.errors import UserError
 from tracer.expert_parallel import Routing
 from tracer.graph import build_graph
+from tracer.modules import count_parameters
 from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
@@ -73,6 +75,20 @@ def test_expert_parallel_over_four_ranks(imbalance):
 def test_expert_parallel_with_precision_and_checkpointing(setup):
     """The exchange runs again in the recomputed forward; bf16 rows are scored in float32 in the combine."""
     _check("qwen3_moe", 1.5, setup=setup)
+
+
+@pytest.mark.slow
+def test_expert_parallel_stamped_from_a_cut_model():
+    """Eight layers are traced on four and stamped out; the parameters are the model's, not the rank's."""
+    model = deep_tiny_model("deepseek_v3", 8, vocab_size=32)
+    runtime = expert_parallel_peak(model, SETUP, 2, 1.5)
+    prepared = prepare(Layout(gpus=2, ep=2, routing_imbalance=1.5), SETUP, model.config)
+    trace = trace_step(model, prepared.traced)
+    assert trace.assumptions["decoder_layers"].startswith("4 of 8 traced")
+    with torch.device("meta"):
+        assert trace.parameter_count == count_parameters(model.build(SETUP))[0]
+    estimate = find_peak(timeline(prepared.rank_step(build_graph(trace), Rank()), rounded=False)).bytes
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
 def test_routing_splits_add_up():

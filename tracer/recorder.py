@@ -33,16 +33,37 @@ class StorageListener(Protocol):
     def freed(self, storage: Storage) -> None: ...
 
 
+class Placement(Protocol):
+    """Which GPU a storage lives on, where a device map spreads the model over several."""
+
+    def module_device(self, module: str) -> int:
+        """The GPU the module runs on, and of what it reads that the recorder has not seen made."""
+        ...
+
+    def device_of_new(self, module: str, inputs: list[Storage]) -> int:
+        """The GPU of what an op of ``module`` reading ``inputs`` makes."""
+        ...
+
+
 class StepRecorder(TorchDispatchMode):
     def __init__(
-        self, scope: ModuleScope, device_type: str | None = None, listener: StorageListener | None = None
+        self,
+        scope: ModuleScope,
+        device_type: str | None = None,
+        listener: StorageListener | None = None,
+        placement: Placement | None = None,
     ) -> None:
         """``device_type``: count only storages on that device; None counts every storage (the fake
-        trace, where a later pass decides what stays on the host)."""
+        trace, where a later pass decides what stays on the host). ``placement``: which GPU each new storage is
+        on (None: all on one)."""
         super().__init__()
         self.scope = scope
         self.device_type = device_type
         self.listener = listener
+        self.placement = placement
+        # The GPU of the storages the op being recorded makes; between ops, the GPU generate() keeps its own on
+        self._main_device = 0 if placement is None else placement.module_device("")
+        self._new_device = self._main_device
         self.phase = Phase.FORWARD
         scope.in_pass = True
         self.ops: list[Op] = []
@@ -88,10 +109,34 @@ class StepRecorder(TorchDispatchMode):
         storage.nbytes = math.prod(shape) * dtype.itemsize
         storage.shape, storage.dtype = shape, str(dtype).removeprefix("torch.")
 
-    def track_created(self, tensor: torch.Tensor, role: Role, name: str) -> None:
-        """Register a storage made while paused, as made just before the next recorded op."""
+    def track_created(
+        self, tensor: torch.Tensor, role: Role, name: str, device: int | None = None, on_device: bool = True
+    ) -> None:
+        """Register a storage made while paused, as made just before the next recorded op; ``device``: the GPU it
+        is on where there are several; ``on_device`` False for host memory."""
         storage = self._storage_of(tensor, created_at=len(self.ops))
         storage.role, storage.name = role, name
+        storage.on_device = storage.on_device and on_device
+        if device is not None:
+            storage.device = device
+
+    def device_of(self, tensor: torch.Tensor) -> int:
+        """The GPU a tensor's storage is on (the main one, for a storage the recorder has not seen)."""
+        storage_id = self._live.get(tensor.untyped_storage()._cdata)
+        return self._main_device if storage_id is None else self.storages[storage_id].device
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor's storage is in device memory (not an offloaded or host copy)."""
+        storage_id = self._live.get(tensor.untyped_storage()._cdata)
+        return storage_id is None or self.storages[storage_id].on_device
+
+    def place(self, tensor: torch.Tensor, device: int | None = None, on_device: bool = True) -> None:
+        """Put a tensor's storage on GPU ``device`` (a copy between GPUs, a parameter a device map places), or in
+        host memory (``on_device`` False: an offloaded copy)."""
+        storage = self._storage_of(tensor, created_at=len(self.ops) - 1)
+        if device is not None:
+            storage.device = device
+        storage.on_device = storage.on_device and on_device
 
     def enter(self, phase: Phase) -> None:
         """Mark a phase boundary. Storages made in forward and still alive when it ends are saved
@@ -143,8 +188,14 @@ class StepRecorder(TorchDispatchMode):
             return out
         index = len(self.ops)
         read, written = tree_leaves((args, kwargs)), tree_leaves(out)
+        if self.placement is not None:
+            module = self.scope.current()
+            self._new_device = self.placement.module_device(module)
         inputs = self._ids(read, index)
+        if self.placement is not None:
+            self._new_device = self.placement.device_of_new(module, [self.storages[i] for i in inputs])
         outputs = self._ids(written, index)
+        self._new_device = self._main_device
         if self.phase is Phase.OPTIMIZER:
             self._inherit_lineage(func, args, out, index)
         elif self._gradients and func is torch.ops.aten.add_.Tensor and inputs[0] in self._gradients:
@@ -225,6 +276,7 @@ class StepRecorder(TorchDispatchMode):
             created_at=created_at,
             freed_after=None,
             on_device=self.device_type is None or tensor.device.type == self.device_type,
+            device=self._new_device,
         )
         self.storages[storage_id] = storage
         self._live[address] = storage_id

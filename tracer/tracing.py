@@ -26,10 +26,11 @@ from tracer.config_check import EXPERT_COUNTS
 from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
+from tracer.device_map import DevicePlacement, free_memory, place_modules
 from tracer.errors import UserError
 from tracer.expert_parallel import AssumedExchange, routing_of, shard_experts
 from tracer.gpus import find_gpu
-from tracer.inference import InferenceStep
+from tracer.inference import InferenceStep, describe_generation
 from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
@@ -64,11 +65,22 @@ Progress = Callable[[str, int, int], None]
 
 
 def trace_step(
-    model: Model, setup: TrainingSetup, progress: Progress | None = None, every_layer: bool = False
+    model: Model,
+    setup: TrainingSetup,
+    progress: Progress | None = None,
+    every_layer: bool = False,
+    every_gpu: bool = False,
 ) -> Trace:
     """Record one steady-state training step, telling ``progress`` how far it got. A training step of a model
     whose decoder layers repeat is recorded on the model cut to a few layers and stamped out to all of them
-    (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all."""
+    (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all. Under a
+    device map the trace holds every GPU's storages, each with its GPU, which only a reading per GPU may sum
+    (``every_gpu``: analysis/device_map.py)."""
+    if setup.device_map is not None and not every_gpu:
+        raise UserError(
+            "A device map spreads the model over several GPUs, each estimated on its own: use "
+            "analysis.device_map.estimate_device_map(model, setup)."
+        )
     inference = setup.mode == "inference"
     plan = None if every_layer or inference or model.config is None else plan_layers(model.config)
     why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
@@ -155,24 +167,33 @@ def _record(
             )
         step.prime(batch)
         blocks = len(decoder_blocks(net))
+        placement = _device_map(net, setup)
 
         def on_block(index: int) -> None:  # blocks run in order, and in reverse in backward
             phase = recorder.phase
             report(phase.value, blocks - index if phase is Phase.BACKWARD else index + 1, blocks)
 
-        recorder = StepRecorder(ModuleScope(net, on_block), device_type=None if cuda else "cpu")
+        recorder = StepRecorder(ModuleScope(net, on_block), device_type=None if cuda else "cpu", placement=placement)
         register_baseline(recorder, step, batch, step_counters_on_host=cuda)
+        if placement is not None:
+            placement.place_existing(recorder, net)
         scales = track_published(recorder, net, published)  # alive through the step
-        workspace = None
+        workspace = []  # one per GPU that runs matmuls
         if emulation is not None:
-            workspace = torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8)
-            recorder.track_existing(workspace, Role.WORKSPACE, "cuBLAS workspace")
+            for device in sorted(set(placement.placed.values())) if placement else [0]:
+                workspace.append(torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8))
+                recorder.track_existing(workspace[-1], Role.WORKSPACE, "cuBLAS workspace")
+                recorder.place(workspace[-1], device)
 
         def on_phase(phase: Phase) -> None:
             report(phase.value, 0, 0 if phase is Phase.OPTIMIZER else blocks)
             recorder.enter(phase)
 
-        with recorder.recording(), emulation.kernel_scratch() if emulation else nullcontext():
+        with (
+            recorder.recording(),
+            emulation.kernel_scratch() if emulation else nullcontext(),
+            placement.copies(recorder) if placement else nullcontext(),
+        ):
             if setup.mode == "inference":
                 step.run(batch, on_phase=on_phase, recorder=recorder)
             else:
@@ -185,6 +206,10 @@ def _record(
         mark_host_storages(trace)
     config = None if model.config is None else net.config  # the one the model ran with
     trace.assumptions = _assumptions(model, config, setup, optimizer, emulation)
+    if setup.mode == "inference":
+        trace.assumptions["logits_processors"] = step.processors_used
+    if placement is not None:
+        trace.assumptions |= placement.describe()
     return trace, net
 
 
@@ -258,20 +283,17 @@ def _checkpoint_quantization(model: Model, setup: TrainingSetup) -> dict[str, st
     return {"checkpoint_weights": f"published as {method}; weights counted in --dtype: {why}"}
 
 
+def _device_map(net: nn.Module, setup: TrainingSetup) -> DevicePlacement | None:
+    """accelerate's placement of the model over the setup's GPUs and its hooks on it, for a device map."""
+    if setup.device_map is None:
+        return None
+    placement = DevicePlacement(place_modules(net, setup.device_map, free_memory(find_gpu(setup.gpu))))
+    placement.dispatch(net)
+    return placement
+
+
 def _inference_assumptions(setup: TrainingSetup) -> dict[str, object]:
-    cache = "StaticCache" if setup.cache == "static" else "DynamicCache"
-    tokens = setup.max_new_tokens
-    traced = f"the prefill of the prompt into a {cache}" + (
-        f", then the last decode step (the cache holds {setup.seq_len + tokens - 2} tokens before it)"
-        if tokens > 1
-        else " (one new token: no decode step)"
-    )
-    logits = {0: "all positions", 1: "the last position, as generate() passes logits_to_keep=1"}
-    return {
-        "step": f"model.generate(), greedy, {tokens} new tokens with no stop token, under torch.no_grad(); traced: "
-        + traced,
-        "prefill_logits": logits.get(setup.logits_to_keep, f"the last {setup.logits_to_keep} positions"),
-    }
+    return describe_generation(setup)
 
 
 def _autocast(setup: TrainingSetup, emulation: CudaEmulation | None):

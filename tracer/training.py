@@ -39,8 +39,13 @@ TRAINING_ONLY = (
     "optimizer_impl",
     "pcie_gbps",
 )
-INFERENCE_ONLY = ("max_new_tokens", "cache", "logits_to_keep", "dequantize")
-CACHES = ("dynamic", "static")  # transformers' DynamicCache and StaticCache
+INFERENCE_ONLY = ("max_new_tokens", "cache", "cache_backend", "logits_to_keep", "dequantize", "sampling", "device_map")
+# generate()'s cache_implementation values (transformers 5.24, generation/configuration_utils.py), "dynamic" its default
+CACHES = ("dynamic", "static", "offloaded", "offloaded_static", "quantized")
+# QuantizedCache's backends: FP8 is transformers' own (Fp8QuantizedLayer); quanto and HQQ are libraries of their own
+CACHE_BACKENDS = ("fp8", "quanto", "hqq")
+# from_pretrained(device_map=...) strategies that split a model over GPUs (integrations/accelerate.py _get_device_map)
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,44 @@ class LoraSetup:
             raise UserError(f"--lora-r must be at least 1 (got {self.r}).")
         if not 0 <= self.dropout < 1:
             raise UserError(f"--lora-dropout must be in [0, 1) (got {self.dropout}).")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """``generate(do_sample=True)`` with these warpers' settings; the defaults are those GenerationConfig applies
+    (``_get_default_generation_params``), under which only top-k (50) filters."""
+
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise UserError(
+                f"--temperature must be positive (got {self.temperature}); for greedy decoding drop --do-sample."
+            )
+        if self.top_k < 0:
+            raise UserError(f"--top-k must be 0 (no top-k filter) or more (got {self.top_k}).")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1] (got {self.top_p}).")
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """``from_pretrained(device_map=strategy)`` over ``gpus`` GPUs: accelerate places whole modules on the GPUs and
+    its hooks run them one GPU after the other (tracer/device_map.py)."""
+
+    strategy: str = "auto"
+    gpus: int = 2
+
+    def __post_init__(self) -> None:
+        if self.strategy not in DEVICE_MAPS:
+            raise UserError(f"--device-map must be one of {', '.join(DEVICE_MAPS)} (got {self.strategy!r}).")
+        if self.gpus < 2:
+            raise UserError(
+                f"--device-map {self.strategy} splits the model over several GPUs: give --gpus 2 or more (on one GPU "
+                "it places everything there, which the single-GPU estimate is)."
+            )
 
 
 @dataclass(frozen=True)
@@ -97,7 +140,10 @@ class TrainingSetup:
     pcie_gbps: float = PCIE_4_X16_GBPS  # host link bandwidth each way, for offloading's transfer times
     mode: str = "train"
     max_new_tokens: int = 1  # inference: the decode step runs with the cache holding prompt + these - 1
-    cache: str = "dynamic"  # inference
+    cache: str = "dynamic"  # inference: generate()'s cache_implementation
+    cache_backend: str | None = None  # inference, with cache="quantized": cache_config={"backend": ...}
+    sampling: Sampling | None = None  # inference: generate(do_sample=True, ...); None is greedy decoding
+    device_map: DeviceMap | None = None  # inference: from_pretrained(device_map=...) over several GPUs
     logits_to_keep: int = 1  # inference prefill: logits of the last N positions (0: all); generate() passes 1
     # inference: a checkpoint published quantized (FP8, MXFP4) loaded dequantized to --dtype; training always is
     dequantize: bool = False
@@ -166,7 +212,18 @@ class TrainingSetup:
         if self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens}).")
         if self.cache not in CACHES:
-            raise UserError(f"--cache must be dynamic or static (got {self.cache!r}).")
+            raise UserError(f"--cache must be one of {', '.join(CACHES)} (got {self.cache!r}).")
+        if (self.cache == "quantized") != (self.cache_backend is not None):
+            raise UserError(
+                "--cache quantized needs its backend, as transformers' QuantizedCache does: --cache-backend fp8 "
+                "(cache_config={'backend': 'fp8'}; without one transformers picks quanto); --cache-backend applies to "
+                "--cache quantized only."
+            )
+        if self.cache_backend not in (None, "fp8"):
+            raise UserError(
+                f"--cache-backend {self.cache_backend} quantizes with the {self.cache_backend} library (optimum-quanto "
+                "or hqq), whose layouts are not modelled: use --cache-backend fp8, transformers' own Fp8QuantizedLayer."
+            )
         if self.logits_to_keep < 0:
             raise UserError(f"--logits-to-keep must be 0 (all) or more (got {self.logits_to_keep}).")
         training_only = {
