@@ -67,6 +67,62 @@ class BatchLine:
             ops=ops, storages=rows, structure=self.one.structure, transfers=transfers, collectives=collectives
         )
 
+    def slopes(self) -> dict[int, int]:
+        """Bytes each storage that grows with the batch gains per sequence."""
+        return {i: self.two.storages[i].nbytes - self.one.storages[i].nbytes for i in self._scaled_storages}
+
+    def carries(self, derived: StepGraph) -> bool:
+        """Whether :meth:`onto` applies: ``derived`` was rewritten from the line's first step, keeping the sizes of
+        what the batch flows through and the step's own transfers and collectives."""
+        if derived.rewritten_ops is None or len(derived.rewritten_ops) != len(self.one.ops):
+            return False
+        rows = derived.storages
+        for storage_id in self._scaled_storages:
+            one, row = self.one.storages[storage_id], rows.get(storage_id)
+            if row is None or row.nbytes != one.nbytes or row.shape != one.shape:
+                return False
+        own = (self.one.transfers, self.one.collectives)
+        return own == (derived.transfers[: len(own[0])], derived.collectives[: len(own[1])])
+
+    def onto(self, derived: StepGraph, batch: int) -> StepGraph:
+        """``derived``, a rewrite of this line's first step that leaves what the batch flows through as it is (a
+        data-parallel runtime: its buffers and shards follow the parameters), at ``batch``: the line's sizes
+        carried onto the rewritten step, whose lifetimes and added storages stay. The rewrite is then made once,
+        not at every batch size."""
+        if derived.rewritten_ops is None or len(derived.rewritten_ops) != len(self.one.ops):
+            raise BatchShapeError("the step was not rewritten from the line's first step")
+        steps = batch - self.first
+        rows = dict(derived.storages)
+        for storage_id in self._scaled_storages:
+            one, row = self.one.storages[storage_id], rows.get(storage_id)
+            if row is None or (row.nbytes, row.shape) != (one.nbytes, one.shape):
+                raise BatchShapeError(f"the rewrite resized storage {storage_id} ({one.name or one.role.value})")
+            scaled = _row_at(one, self.two.storages[storage_id], steps)
+            rows[storage_id] = replaced(row, nbytes=scaled.nbytes, shape=scaled.shape)
+        ops = list(derived.ops)
+        for index in self._scaled_ops:
+            at = derived.rewritten_ops[index]
+            scaled = _op_at(self.one.ops[index], self.two.ops[index], steps)
+            ops[at] = replaced(ops[at], flops=scaled.flops, bytes_moved=scaled.bytes_moved)
+        return StepGraph(
+            ops=ops,
+            storages=rows,
+            structure=derived.structure,
+            transfers=_carried(self.one.transfers, self.two.transfers, derived.transfers, steps),
+            collectives=_carried(self.one.collectives, self.two.collectives, derived.collectives, steps),
+            rewritten_ops=derived.rewritten_ops,
+        )
+
+
+def _carried(one: list, two: list, derived: list, steps: int) -> list:
+    """A rewrite's transfers or collectives: the line's own first (at the batch), then those the rewrite added."""
+    if derived[: len(one)] != one:
+        raise BatchShapeError("the rewrite changed the step's own transfers or collectives")
+    own = [
+        a if a == b else replaced(a, nbytes=_affine(a.nbytes, b.nbytes, steps)) for a, b in zip(one, two, strict=True)
+    ]
+    return own + derived[len(one) :]
+
 
 def _affine(one: int, two: int, steps: int) -> int:
     return one + (two - one) * steps

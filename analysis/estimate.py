@@ -13,10 +13,11 @@ import dataclasses
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TypeVar
 
 from analysis.allocator import AllocatorConfig
 from analysis.batch_line import BatchLine, BatchShapeError
-from analysis.peak import Timeline, find_peak, timeline
+from analysis.peak import PeakLine, Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
@@ -28,6 +29,7 @@ from tracer.tracing import Progress, trace_step
 from tracer.training import Target, TrainingSetup
 
 SINGLE_GPU = Layout()
+T = TypeVar("T")
 SHARED_STEPS = 8  # transformed steps a source keeps for layouts that share them
 
 
@@ -78,7 +80,7 @@ class StepSource:
         self._traces: dict[int, Trace] = {}
         self._steps: dict[int, StepGraph] = {}
         self._line: BatchLine | None = None
-        self._shared: dict[Hashable, StepGraph] = {}
+        self._shared: dict[Hashable, object] = {}
 
     def trace(self, batch: int) -> Trace:
         if batch not in self._traces:
@@ -105,9 +107,10 @@ class StepSource:
         line = self.line() if self.lines and batch >= 2 else None
         return line.at(batch) if line is not None else self.traced_step(batch)
 
-    def shared(self, key: Hashable, build: Callable[[], StepGraph]) -> StepGraph:
-        """A transformed step that layouts of this source share (the same tensor-parallel slice under different
-        data parallelism, as the planner tries them one after another), kept for the last few keys."""
+    def shared(self, key: Hashable, build: Callable[[], T]) -> T:
+        """A transformed step (or a line of them) that layouts of this source share (the same tensor-parallel
+        slice under different data parallelism, as the planner tries them one after another), kept for the last
+        few keys."""
         if key in self._shared:
             self._shared[key] = self._shared.pop(key)  # most recently used last
         else:
@@ -128,12 +131,14 @@ class StepSource:
 
 class LayoutEstimate:
     """One prepared layout's rank steps and reports at any batch size of its source. With a source that draws
-    lines, each rank's transformed steps at batches 2 and 3 give that rank's line too, so that a batch size
-    costs a resize, a timeline and an allocator replay."""
+    lines, a batch size costs a resize, a timeline and an allocator replay: the model-parallel steps at batches 2
+    and 3 give a line, and the data-parallel runtime, which changes nothing the batch flows through, rewrites
+    the step once."""
 
     def __init__(self, model_id: str, prepared: PreparedLayout, source: StepSource) -> None:
         self.model_id, self.prepared, self.source = model_id, prepared, source
-        self._lines: dict[Rank, BatchLine | None] = {}
+        self._parts: dict[Rank, tuple[StepGraph, BatchLine] | None] = {}
+        self._peak_lines: dict[Rank, PeakLine] = {}
         self._results: dict[int, StepResult] = {}
 
     @cached_property
@@ -148,29 +153,73 @@ class LayoutEstimate:
 
     def rank_step(self, rank: Rank, batch: int) -> StepGraph:
         if self.source.lines and batch >= 2 and self.source.line() is not None:
-            if rank not in self._lines:
-                try:
-                    self._lines[rank] = BatchLine(self._transformed(rank, 2), self._transformed(rank, 3), first=2)
-                except BatchShapeError:
-                    self._lines[rank] = None
-            line = self._lines[rank]
-            if line is not None:
-                return line.at(batch)
+            parts = self._line_parts(rank)
+            if parts is not None:
+                base, line = parts
+                return line.at(batch) if base is line.one else line.onto(base, batch)
         return self._transformed(rank, batch)
 
-    def _transformed(self, rank: Rank, batch: int) -> StepGraph:
+    def _line_parts(self, rank: Rank) -> tuple[StepGraph, BatchLine] | None:
+        """The rank's step at 2 and the line its sizes follow: the model-parallel steps' line (shared by the
+        layouts that split the model alike) and the data-parallel runtime's rewrite of its first step, made once;
+        else the line through the rank's whole steps at 2 and 3; None when the steps differ in more than sizes."""
+        if rank in self._parts:
+            return self._parts[rank]
+        line, parts = self._model_parallel_line(rank), None
+        if line is not None and self.prepared.data is None:
+            parts = (line.one, line)
+        elif line is not None:
+            rewritten = self.prepared.data_parallel_step(line.one, rank)
+            if line.carries(rewritten):
+                parts = (rewritten, line)
+        if parts is None:
+            try:
+                whole = BatchLine(self._transformed(rank, 2), self._transformed(rank, 3), first=2)
+                parts = (whole.one, whole)
+            except BatchShapeError:
+                pass
+        self._parts[rank] = parts
+        return parts
+
+    def _model_parallel_line(self, rank: Rank) -> BatchLine | None:
+        prepared = self.prepared
+        if prepared.pipeline is None and prepared.tensor is None:
+            return self.source.line()
+
+        def build() -> BatchLine | None:
+            try:
+                return BatchLine(self._model_parallel(rank, 2), self._model_parallel(rank, 3), first=2)
+            except BatchShapeError:
+                return None
+
+        return self.source.shared(("line", prepared.model_parallel_key(rank)), build)
+
+    def _model_parallel(self, rank: Rank, batch: int) -> StepGraph:
         prepared = self.prepared
         key = (batch, prepared.model_parallel_key(rank))
-        step = self.source.shared(key, lambda: prepared.model_parallel_step(self.source.step(batch), rank))
-        return prepared.data_parallel_step(step, rank)
+        return self.source.shared(key, lambda: prepared.model_parallel_step(self.source.step(batch), rank))
+
+    def _transformed(self, rank: Rank, batch: int) -> StepGraph:
+        return self.prepared.data_parallel_step(self._model_parallel(rank, batch), rank)
 
     def needed_floor(self, batch: int) -> int:
         """At most what :class:`MemoryBudget` reads off :meth:`evaluate`'s report at ``batch`` (the busiest rank's
         allocated peak, plus the CUDA context on CUDA), without the allocator's replay: enough to rule a batch
         size out, at a fraction of the cost."""
-        peak = max(find_peak(timeline(self.rank_step(rank, batch))).bytes for rank in self.ranks)
+        peak = max(self._allocated_peak(rank, batch) for rank in self.ranks)
         setup = self.prepared.setup
         return peak + (find_gpu(setup.gpu).context_bytes if setup.target is Target.CUDA else 0)
+
+    def _allocated_peak(self, rank: Rank, batch: int) -> int:
+        """The rank's allocated peak at ``batch``: off its lifetimes with the line's sizes, without building the
+        step, where the batch is on a line."""
+        parts = self._line_parts(rank) if self.source.lines and batch >= 2 and self.source.line() else None
+        if parts is None:
+            return find_peak(timeline(self.rank_step(rank, batch))).bytes
+        if rank not in self._peak_lines:
+            base, line = parts
+            self._peak_lines[rank] = PeakLine.of(base, line.slopes(), line.first)
+        return self._peak_lines[rank].peak(batch)
 
     def evaluate(self, batch: int, progress: Progress | None = None) -> StepResult:
         """The busiest rank's result at ``batch``, carrying every distinct rank's report."""

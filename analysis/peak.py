@@ -13,6 +13,7 @@ from functools import cached_property
 import numpy as np
 
 from analysis.liveness import Lifetime, lifetimes
+from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.graph import StepGraph
 from tracer.roles import Role
 
@@ -66,6 +67,41 @@ def live_bytes(spans: list[Lifetime], columns: list[int], count: int, width: int
     np.add.at(change, (firsts, column), sizes)
     np.add.at(change, (ends, column), -sizes)
     return np.cumsum(change[:count], axis=0)
+
+
+@dataclass(frozen=True)
+class PeakLine:
+    """The allocated peak of a step at any batch size of a line through it: the lifetimes do not change with the
+    batch and the sizes are affine in it (analysis/batch_line.py), so only the sizes are computed again."""
+
+    firsts: np.ndarray
+    ends: np.ndarray  # one past the last op at which each storage is live
+    sizes: np.ndarray  # bytes at batch ``first``
+    slopes: np.ndarray  # bytes gained per sequence
+    first: int
+    ops: int
+
+    @classmethod
+    def of(cls, step: StepGraph, slopes: dict[int, int], first: int) -> PeakLine:
+        """``step`` at batch ``first``; ``slopes`` by storage id (absent: does not grow)."""
+        spans = lifetimes(step, rounded=False, nonzero=False)
+        return cls(
+            np.fromiter((span.first for span in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((span.last + 1 for span in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((span.bytes for span in spans), dtype=np.int64, count=len(spans)),
+            np.fromiter((slopes.get(span.storage_id, 0) for span in spans), dtype=np.int64, count=len(spans)),
+            first,
+            len(step.ops),
+        )
+
+    def peak(self, batch: int) -> int:
+        """The most allocator blocks live at once at ``batch`` (``find_peak(timeline(step))`` of the step there)."""
+        sizes = self.sizes + self.slopes * (batch - self.first)
+        blocks = -(-sizes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+        change = np.zeros(self.ops + 1, dtype=np.int64)
+        np.add.at(change, self.firsts, blocks)
+        np.add.at(change, self.ends, -blocks)
+        return int(np.cumsum(change[: self.ops]).max()) if self.ops else 0
 
 
 def find_peak(line: Timeline) -> Peak:

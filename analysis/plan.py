@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import multiprocessing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -319,7 +319,7 @@ def _largest_divisor_fitting(
     and its report (micro-batch 0 and micro-batch 1's report if none fits).
 
     The whole per-rank batch in one micro-step is tried first; otherwise the micro-steps accumulate, whose
-    gradients outlive each backward, so memory only grows: the proper divisors are bisected on the step of two
+    gradients outlive each backward, so memory only grows: the proper divisors are searched on the step of two
     micro-steps (which stands for any number of them)."""
     budget = search.budget
     if per_rank == 1 or not budget.rules_out(whole.needed_floor(per_rank)):
@@ -328,21 +328,59 @@ def _largest_divisor_fitting(
             return (per_rank if budget.fits(report) else 0), 1, whole, report
     accumulating = search.accumulating_estimate(candidate_setup, layout)
     divisors = [d for d in range(1, per_rank) if per_rank % d == 0]
-    low, high, found = 0, len(divisors) - 1, None
-    while low <= high:
-        middle = (low + high) // 2
-        micro = divisors[middle]
-        if middle > 0 and budget.rules_out(accumulating.needed_floor(micro)):  # micro-batch 1's report is kept
-            high = middle - 1
-            continue
-        report = accumulating.evaluate(micro).report
+    micro, report = _largest_fitting_of(accumulating, budget, divisors)
+    return micro, (per_rank // micro if micro else per_rank), accumulating, report
+
+
+def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
+    """The largest batch up to ``cap`` that fits, and its report (0 and batch 1's report if none does)."""
+    return _largest_fitting_of(steps, budget, range(1, cap + 1))
+
+
+def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequence[int]) -> tuple[int, MemoryReport]:
+    """The largest of ``sizes`` (ascending) that fits, and its report (0 and the smallest's report if none does).
+
+    Memory grows with the batch. The allocated peak plus the CUDA context (``needed_floor``, no allocator
+    replay) is at most what a report needs, so the search runs on it first: the largest size whose floor fits
+    bounds the answer. Only then is the allocator replayed, at that size and, while it does not fit, at the
+    largest smaller size whose floor leaves room for the slack the last replay found; the sizes between the one
+    that fits and the smallest that does not are then bisected, the slack not being the same at every size."""
+    floors: dict[int, int] = {}
+
+    def floor(position: int) -> int:
+        if position not in floors:
+            floors[position] = steps.needed_floor(sizes[position])
+        return floors[position]
+
+    def largest_within(limit: int, below: int) -> int:
+        """The largest position under ``below`` whose floor is at most ``limit`` (-1 if none)."""
+        low, high, found = 0, below - 1, -1
+        while low <= high:
+            middle = (low + high) // 2
+            if floor(middle) <= limit:
+                found, low = middle, middle + 1
+            else:
+                high = middle - 1
+        return found
+
+    position = bad = largest_within(budget.usable_bytes, len(sizes))
+    bad += 1  # the smallest position known not to fit
+    while position >= 0:
+        report = steps.evaluate(sizes[position]).report
         if budget.fits(report):
-            found, low = (micro, report), middle + 1
+            break
+        bad, slack = position, budget.needed_bytes(report) - floor(position)
+        position = largest_within(budget.usable_bytes - slack, position)
+    else:
+        return 0, steps.evaluate(sizes[0]).report
+    while bad - position > 1:  # the allocator's slack varies from size to size: close in on the edge
+        middle = (position + bad) // 2
+        middle_report = steps.evaluate(sizes[middle]).report
+        if budget.fits(middle_report):
+            position, report = middle, middle_report
         else:
-            high = middle - 1
-    if found is None:
-        return 0, per_rank, accumulating, report  # micro-batch 1's, the last probed
-    return found[0], per_rank // found[0], accumulating, found[1]
+            bad = middle
+    return sizes[position], report
 
 
 def _with_accumulation(report: MemoryReport, accumulation: int) -> MemoryReport:
@@ -353,30 +391,3 @@ def _with_accumulation(report: MemoryReport, accumulation: int) -> MemoryReport:
     copy = dataclasses.replace(report, setup=setup)
     copy.ranks = [copy if rank is report else dataclasses.replace(rank, setup=setup) for rank in report.ranks]
     return copy
-
-
-def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
-    """The largest batch up to ``cap`` that fits, and its report (0 and batch 1's report if none does).
-
-    Memory grows with the batch, so the edge lies between the largest size seen to fit and the smallest seen
-    not to. From batch 3 on, each probe goes where the line through the last two sizes' memory crosses the
-    budget, which lands on the edge in two or three probes."""
-    if cap >= 2:
-        two = steps.evaluate(2).report
-        if budget.fits(two):
-            good, bad, reports = 2, cap + 1, {2: two}
-            last_batch, last_needed, slope = 2, budget.needed_bytes(two), 0  # no slope yet: probe batch 3
-            while bad - good > 1:
-                guess = last_batch + (budget.usable_bytes - last_needed) // slope if slope > 0 else good + 1
-                batch = min(max(guess, good + 1), bad - 1)
-                report = steps.evaluate(batch).report
-                needed = budget.needed_bytes(report)
-                if budget.fits(report):
-                    good, reports[batch] = batch, report
-                else:
-                    bad = batch
-                slope = max((needed - last_needed) // (batch - last_batch), 1)
-                last_batch, last_needed = batch, needed
-            return good, reports[good]
-    one = steps.evaluate(1).report
-    return (1, one) if budget.fits(one) else (0, one)

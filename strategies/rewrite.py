@@ -143,6 +143,7 @@ class Rewrite:
             structure=self.step.structure,
             transfers=self.transfers,
             collectives=list(self.step.collectives),
+            rewritten_ops=tuple(renumbered),
         )
 
 

@@ -224,8 +224,12 @@ def activation_all_reduce(step: StepGraph) -> Collective:
     reduce-scatter pair moves the same bytes)."""
     recomputed = any(op.recompute for op in step.ops)
     embedding = step.structure.input_embedding
-    produced = (row.nbytes for row in step.storages.values() if row.producer is not None and row.module == embedding)
-    hidden_state = max(produced, default=0)
+    outputs = (  # what the embedding makes in forward: its output (in backward, its weight's gradient)
+        row.nbytes
+        for row in step.storages.values()
+        if row.producer is not None and row.module == embedding and step.ops[row.producer].phase is Phase.FORWARD
+    )
+    hidden_state = max(outputs, default=0)
     count = (6 if recomputed else 4) * len(step.structure.blocks) + 2
     return Collective(
         ALL_REDUCE, TENSOR_PARALLEL, count * hidden_state, Phase.FORWARD, True, False, "layer outputs and gradients"

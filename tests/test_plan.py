@@ -11,7 +11,8 @@ from tiny_models import tiny_model
 from analysis.batch_line import BatchLine
 from analysis.budget import MemoryBudget
 from analysis.cli import main
-from analysis.estimate import analyze
+from analysis.estimate import LayoutEstimate, StepSource, analyze
+from analysis.peak import find_peak, timeline
 from analysis.plan import Candidate, plan
 from analysis.steptime import Cluster, step_time
 from strategies.layout import Layout, Rank, prepare
@@ -51,6 +52,43 @@ def test_batch_line_equals_fresh_traces(family, checkpointing):
             for batch in (5, 8):
                 got, fresh = rank_line.at(batch), ranked[batch]
                 assert (got.ops, got.storages, got.transfers) == (fresh.ops, fresh.storages, fresh.transfers)
+
+
+@pytest.mark.parametrize(
+    ("layout", "options"),
+    [
+        (Layout(gpus=4), {"grad_accum": 2}),
+        (Layout(gpus=4, zero=1), {}),
+        (Layout(gpus=4, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "full"}),
+        (Layout(gpus=4, zero=2), {"grad_accum": 2}),
+        (Layout(gpus=4, zero=3, offload="optimizer,params"), {}),
+        (Layout(gpus=4, zero=3, engine="deepspeed"), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, zero=2, engine="deepspeed", offload="optimizer"), {"grad_accum": 2}),
+        (Layout(gpus=8, tp=2, zero=3), {}),
+        (Layout(gpus=8, pp=2, zero=3, microbatches=2), {"mixed_precision": "bf16"}),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_data_parallel_rewrite_carries_the_line(layout, options):
+    """The planner rewrites each rank's model-parallel step for its data-parallel runtime once, at batch 2, and
+    carries the batch line onto it: at 5 and 8 every op, storage, transfer and collective equals the rank's step
+    transformed from a fresh trace at that batch."""
+    model = tiny_model("llama")
+    setup = dataclasses.replace(SETUP, **({"dtype": "fp32"} | options))
+    prepared = prepare(layout, setup, model.config)
+    source = StepSource(model, prepared.traced, lines=True)
+    estimate = LayoutEstimate(model.model_id, prepared, source)
+    context = find_gpu(setup.gpu).context_bytes
+    for batch in (5, 8):
+        peaks = []
+        for rank in estimate.ranks:
+            got = estimate.rank_step(rank, batch)
+            fresh = prepared.rank_step(_step(model, prepared.traced, batch), rank)
+            assert got.rewritten_ops is not None  # carried, not a line through two rewrites
+            assert (got.ops, got.storages) == (fresh.ops, fresh.storages)
+            assert (got.transfers, got.collectives) == (fresh.transfers, fresh.collectives)
+            peaks.append(find_peak(timeline(fresh)).bytes)
+        assert estimate.needed_floor(batch) == max(peaks) + context  # the sizes' line, no step built
 
 
 @pytest.mark.slow

@@ -104,6 +104,9 @@ class StepGraph:
     structure: ModelStructure = field(default_factory=ModelStructure)
     transfers: list[Transfer] = field(default_factory=list)
     collectives: list[Collective] = field(default_factory=list)
+    # For a step a rewrite made (strategies/rewrite.py): the index here of each op of the step it was rewritten
+    # from, whose storages keep their ids; None for any other step.
+    rewritten_ops: tuple[int, ...] | None = None
 
     def made_in(self, row: StorageRow, phase: Phase) -> bool:
         """Whether the storage was created by an op of ``phase`` (False if it existed before the step)."""
