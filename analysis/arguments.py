@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, rate, share
+from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, counts, rate, share
 from analysis.recipes import RECIPES
 from tracer.errors import UserError
 from tracer.gpus import PCIE_4_X16_GBPS
@@ -530,7 +530,16 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="pipeline stages (torch.distributed.pipelining): the decoder layers split contiguously, the first "
         "stage also holding the embedding, the last the final norm, the output layer and the loss; every stage "
-        "is reported; for now --gpus must equal --pp (default 1)",
+        "is reported; must divide --gpus with --tp, the data-parallel degree being gpus / (tp x pp), each stage "
+        "under --zero's runtime over its data-parallel group (default 1)",
+    )
+    group.add_argument(
+        "--pp-split",
+        type=counts,
+        default=None,
+        metavar="N,N,...",
+        help="with --pp: decoder layers of each stage, in order, adding up to the model's (torchtitan's "
+        "pipeline_parallel_split_points at their running sums); default even, earlier stages taking one more",
     )
     group.add_argument(
         "--pp-schedule",
@@ -685,6 +694,7 @@ def layout_of(args: argparse.Namespace):
         pp=args.pp,
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
+        pp_split=args.pp_split,
         zero=args.zero,
         engine=args.engine,
         sequence_parallel=args.sequence_parallel,
