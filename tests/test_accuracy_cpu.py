@@ -64,6 +64,7 @@ MOE_AND_2025_FAMILIES = [
     "deepseek_v2",
     "glm4_moe",
     "qwen3_next",
+    "olmo2",
 ]
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"] * 2}
 FOUR_LAYERS = {"gpt_oss": ALTERNATING, "gemma3_text": ALTERNATING, "smollm3": {"no_rope_layers": [1, 1, 1, 0]}}

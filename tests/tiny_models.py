@@ -134,6 +134,15 @@ TINY_CONFIGS: dict[str, dict] = {
         head_dim=16,
         max_position_embeddings=POSITIONS,
     ),
+    "olmo2": dict(  # q/k norms over the whole projection, norms after attention and MLP
+        model_type="olmo2",
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+    ),
     "qwen3_moe": dict(
         model_type="qwen3_moe",
         hidden_size=HIDDEN,
