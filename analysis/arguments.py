@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, OneLineParser, count, counts, rate, share
+from analysis.flags import MAX_COUNT, MAX_SEQ_LEN, PIPELINE_SEARCH, OneLineParser, count, counts, rate, share
 from analysis.recipes import RECIPES
 from tracer.errors import UserError
 from tracer.gpus import PCIE_4_X16_GBPS
@@ -664,6 +664,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"host memory bandwidth an offloaded optimizer step streams at, GB/s (default {HOST_OPTIMIZER_GBPS:g})",
     )
     group.add_argument("--no-offload", action="store_true", help="leave optimizer-offload layouts out")
+    group.add_argument(
+        "--pipeline",
+        choices=PIPELINE_SEARCH,
+        default="auto",
+        help="pipeline-parallel layouts (1F1B, each stage replicated or FSDP2-sharded, as torchtitan runs them): "
+        "auto searches them when the GPUs span several nodes (default), on always, off never",
+    )
     group.add_argument(
         "--jobs",
         type=count(maximum=1024),

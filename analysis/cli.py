@@ -125,6 +125,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             budget,
             args.global_batch,
             offload=not args.no_offload,
+            pipeline=args.pipeline,
             jobs=args.jobs,
             on_progress=bar,
         )

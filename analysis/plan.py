@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from analysis.budget import MemoryBudget
+from analysis.flags import PIPELINE_SEARCH
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
-from analysis.steptime import Cluster, StepTime, step_time
-from strategies.layout import Layout, prepare
+from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
+from strategies.layout import Layout, Rank, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.resolve import Model
@@ -31,6 +32,10 @@ from tracer.training import LoraSetup, TrainingSetup
 from tracer.units import format_bytes
 
 MAX_MICRO_BATCH = 1024
+# Pipelines the search tries: up to 8 stages, with at most twice as many microbatches as stages (a 1F1B bubble of
+# (P - 1) / (3P - 1) at most that; each stage's step holds every microbatch's passes, so more cost more to search).
+MAX_PIPELINE_STAGES = 8
+MICROBATCHES_PER_STAGE = 2
 T = TypeVar("T")
 
 
@@ -49,6 +54,7 @@ class Outcome:
     candidate: Candidate
     micro_batch: int = 0  # 0: not even one sequence fits
     accumulation: int = 1
+    needed_at: int = 1  # the micro-batch needed_bytes was read at when nothing fits
     report: MemoryReport | None = None  # at micro_batch, or at batch 1 when nothing fits
     needed_bytes: int = 0
     time: StepTime | None = None
@@ -78,12 +84,20 @@ class Plan:
 
 
 def candidates(
-    model: Model, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True
+    model: Model, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True, pipeline: str = "auto"
 ) -> tuple[list[Candidate], list[str]]:
     """Every layout of ``gpus`` GPUs the model and step can be split into, each with and without full
-    activation checkpointing (only the user's choice if they made one); and the layouts left out, with why."""
+    activation checkpointing (only the user's choice if they made one); and the layouts left out, with why.
+    ``pipeline``: "on" adds pipeline-parallel layouts, "off" leaves them out, "auto" adds them when the GPUs span
+    several nodes (within one, tensor and sharded data parallelism split the model without a bubble)."""
+    if pipeline not in PIPELINE_SEARCH:
+        raise UserError(f"--pipeline must be one of {', '.join(PIPELINE_SEARCH)} (got {pipeline!r}).")
+    with_pipeline = pipeline == "on" or (pipeline == "auto" and gpus > cluster.gpus_per_node)
+    layers = getattr(model.config, "num_hidden_layers", None) if model.config is not None else None
     layouts: list[Layout] = []
     skipped: list[str] = []
+    if pipeline == "auto" and not with_pipeline:
+        skipped.append(f"pipeline parallelism: the {gpus} GPUs fit in one node (--pipeline on to search it)")
     for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
         if tp > cluster.gpus_per_node:
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
@@ -97,6 +111,8 @@ def candidates(
             skipped.append(f"tensor parallel {tp}: {error}")
             continue
         layouts += _data_parallel_layouts(gpus, tp, offload)
+        if with_pipeline and layers is not None:
+            layouts += _pipeline_layouts(gpus, tp, layers)
     checkpointing = (setup.grad_checkpointing,) if setup.grad_checkpointing else (None, "full")
     chosen = []
     for layout in layouts:
@@ -127,6 +143,18 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
     return layouts
 
 
+def _pipeline_layouts(gpus: int, tp: int, layers: int) -> list[Layout]:
+    """Pipelines of 1F1B stages (GPipe holds more for the same bubble) of up to ``MAX_PIPELINE_STAGES`` stages
+    dividing the GPUs left by tensor parallelism, each stage replicated or sharded as torchtitan shards it
+    (FSDP2 without resharding after forward); their microbatches are chosen by the search."""
+    layouts = []
+    for pp in (p for p in range(2, min(gpus // tp, layers, MAX_PIPELINE_STAGES) + 1) if gpus // tp % p == 0):
+        dp = gpus // (tp * pp)
+        zeros = (0,) if dp == 1 else (0, 2)
+        layouts += [Layout(gpus=gpus, tp=tp, pp=pp, microbatches=pp, zero=zero) for zero in zeros]
+    return layouts
+
+
 def plan(
     model: Model,
     setup: TrainingSetup,
@@ -137,6 +165,7 @@ def plan(
     offload: bool = True,
     jobs: int = 1,
     on_progress: Callable[[str, int, int], None] = lambda what, done, total: None,
+    pipeline: str = "auto",
 ) -> Plan:
     """Every candidate layout's largest fitting micro-batch and step time, fastest first. The distinct steps
     are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces)."""
@@ -144,7 +173,7 @@ def plan(
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
     compute_dtype = str(setup.autocast_dtype or setup.param_dtype).removeprefix("torch.")
     cluster.gpu.peak_flops(compute_dtype)  # refuses bf16 on GPUs without it, before any tracing
-    chosen, skipped = candidates(model, setup, gpus, cluster, offload)
+    chosen, skipped = candidates(model, setup, gpus, cluster, offload, pipeline)
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
@@ -218,7 +247,7 @@ class _Search:
         step's at 1, 2 and 3 (the whole per-rank batch rarely fits at once)."""
         setup = self.candidate_setup(candidate)
         needed = [(self.layout_estimate(setup, candidate.layout).source, batch) for batch in (2, 3)]
-        if (self.per_rank_batch(candidate.layout) or 1) > 1:
+        if (self.per_rank_batch(candidate.layout) or 1) > 1 and candidate.layout.pp == 1:
             accumulating = self.accumulating_estimate(setup, candidate.layout).source
             needed += [(accumulating, batch) for batch in (1, 2, 3)]
         return needed
@@ -290,6 +319,8 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     if search.global_batch is not None and per_rank is None:
         outcome.notes.append(f"global batch {search.global_batch} does not split over {layout.dp} data-parallel ranks")
         return outcome
+    if layout.pp > 1:
+        return _search_pipeline(search, candidate, per_rank)
     candidate_setup = search.candidate_setup(candidate)
     steps = search.layout_estimate(candidate_setup, layout)
     if per_rank is None:
@@ -309,6 +340,58 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     outcome.time = step_time(estimate.step, layout, search.cluster, search.compute_dtype, accumulation)
     tokens = micro * accumulation * layout.dp * search.setup.seq_len
     outcome.tokens_per_second = tokens / outcome.time.total_s
+    return outcome
+
+
+def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None) -> Outcome:
+    """A pipeline's microbatches are its accumulation. Without a global batch it runs
+    ``MICROBATCHES_PER_STAGE`` per stage, of the largest size that fits; with one, each size dividing the
+    per-rank batch into at least as many microbatches as stages (1F1B's least) and at most
+    ``MICROBATCHES_PER_STAGE`` per stage (or the fewest there are) is tried, smallest first, and the fastest
+    that fits is kept (fewer, larger microbatches leave a larger bubble)."""
+    layout, outcome = candidate.layout, Outcome(candidate)
+    candidate_setup = search.candidate_setup(candidate)
+    if per_rank is None:
+        microbatches = MICROBATCHES_PER_STAGE * layout.pp
+        steps = search.layout_estimate(candidate_setup, dataclasses.replace(layout, microbatches=microbatches))
+        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
+        options = [(micro, microbatches, steps, report)]
+    else:
+        counts = [m for m in range(layout.pp, per_rank + 1) if per_rank % m == 0]
+        if not counts:
+            outcome.notes.append(f"the global batch gives each pipeline fewer than {layout.pp} sequences")
+            return outcome
+        counts = [m for m in counts if m <= MICROBATCHES_PER_STAGE * layout.pp] or counts[:1]
+        options = []
+        for microbatches in sorted(counts, reverse=True):  # smallest microbatches first: memory grows with them
+            micro = per_rank // microbatches
+            steps = search.layout_estimate(candidate_setup, dataclasses.replace(layout, microbatches=microbatches))
+            report = (
+                steps.evaluate(micro).report
+                if not options or not search.budget.rules_out(steps.needed_floor(micro))
+                else None
+            )
+            if report is None or not search.budget.fits(report):
+                if not options:
+                    outcome.candidate = Candidate(steps.prepared.layout, candidate.checkpointing)
+                    outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
+                    outcome.needed_at, outcome.accumulation = micro, microbatches
+                break
+            options.append((micro, microbatches, steps, report))
+        if not options:
+            return outcome
+    for micro, microbatches, steps, report in options:
+        if micro == 0:
+            outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
+            continue
+        stages = [steps.rank_step(Rank(pp=stage), micro) for stage in range(layout.pp)]
+        time = pipeline_step_time(stages, steps.prepared.layout, search.cluster, search.compute_dtype)
+        tokens_per_second = micro * microbatches * layout.dp * search.setup.seq_len / time.total_s
+        if tokens_per_second > outcome.tokens_per_second:
+            outcome.candidate = Candidate(steps.prepared.layout, candidate.checkpointing)
+            outcome.micro_batch, outcome.accumulation, outcome.time = micro, microbatches, time
+            outcome.tokens_per_second = tokens_per_second
+            outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
     return outcome
 
 

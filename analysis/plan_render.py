@@ -14,6 +14,7 @@ from tracer.units import GIB, format_bytes
 def render_plan(plan: Plan) -> str:
     gpu = plan.cluster.gpu
     numbers = _note_numbers(plan)
+    pipelined = any(outcome.candidate.layout.pp > 1 for outcome in plan.outcomes)
     batch = f", global batch {plan.global_batch}" if plan.global_batch else ", largest micro-batch, no accumulation"
     lines = [
         f"{plan.model_id} on {plan.gpus} x {gpu.description} ({format_bytes(gpu.memory_bytes, 2)}), sequence "
@@ -21,9 +22,19 @@ def render_plan(plan: Plan) -> str:
         f"Fits: {plan.budget.describe()}.",
         "",
         tabulate(
-            [_row(rank, outcome, numbers) for rank, outcome in enumerate(plan.outcomes, 1)],
-            headers=["#", "layout", "micro-batch", "accum", "GiB/GPU", "step s", "tokens/s", "comm exposed s"],
-            colalign=("right", "left", "right", "right", "right", "right", "right", "right"),
+            [_row(rank, outcome, numbers, pipelined) for rank, outcome in enumerate(plan.outcomes, 1)],
+            headers=[
+                "#",
+                "layout",
+                "micro-batch",
+                "accum",
+                "GiB/GPU",
+                "step s",
+                "tokens/s",
+                "comm exposed s",
+                *(["bubble s"] if pipelined else []),
+            ],
+            colalign=("right", "left", *("right",) * (7 if pipelined else 6)),
         ),
         "",
         *_recommendation(plan),
@@ -40,22 +51,14 @@ def render_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _row(rank: int, outcome: Outcome, notes_index: dict[str, int]) -> list[Any]:
+def _row(rank: int, outcome: Outcome, notes_index: dict[str, int], pipelined: bool) -> list[Any]:
     notes = "".join(f" [{notes_index[note]}]" for note in outcome.notes)
     if not outcome.fits:
-        short = outcome.needed_bytes
-        return [
-            "-",
-            outcome.candidate.describe() + notes,
-            "none",
-            "",
-            f"{short / GIB:.1f} at 1",
-            "",
-            "out of memory",
-            "",
-        ]
+        needed = f"{outcome.needed_bytes / GIB:.1f} at {outcome.needed_at}"
+        row = ["-", outcome.candidate.describe() + notes, "none", "", needed, "", "out of memory", ""]
+        return row + ([""] if pipelined else [])
     time = outcome.time
-    return [
+    row = [
         rank,
         outcome.candidate.describe() + notes,
         outcome.micro_batch,
@@ -65,6 +68,7 @@ def _row(rank: int, outcome: Outcome, notes_index: dict[str, int]) -> list[Any]:
         f"{outcome.tokens_per_second:,.0f}",
         f"{time.exposed_communication_s + time.host_transfer_s:.2f}",
     ]
+    return row + ([f"{time.pipeline_bubble_s:.2f}"] if pipelined else [])
 
 
 def _note_numbers(plan: Plan) -> dict[str, int]:

@@ -17,9 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.layout import Layout
+from strategies.pipeline import BACKWARD, FORWARD, RECEIVE_BUFFER, schedule_actions
 from tracer.gpus import PCIE_4_X16_GBPS, Gpu
-from tracer.graph import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, TENSOR_PARALLEL, Collective, StepGraph
+from tracer.graph import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, REDUCE_SCATTER, TENSOR_PARALLEL, Collective, StepGraph
 from tracer.roles import Phase
+from tracer.trace import Op
 
 # Share of peak tensor-core FLOP/s that large matmuls and flash attention reach in training. Llama 3 trained
 # at 38-43% model FLOPs utilisation end to end on H100 in BF16, communication and everything else included
@@ -70,6 +72,7 @@ class StepTime:
     host_transfer_s: float  # offloading's copies the step waits for
     micro_steps: int
     total_s: float
+    pipeline_bubble_s: float = 0.0  # the busiest stage idle, waiting on the others (pipeline parallelism)
 
     def to_json(self) -> dict[str, float | int]:
         return dict(self.__dict__)
@@ -116,6 +119,80 @@ def step_time(step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: 
     return StepTime(forward, backward, optimizer, communication, exposed, host, micro_steps, total)
 
 
+def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster, compute_dtype: str) -> StepTime:
+    """One step of a pipeline (``stages``: each stage's step, data- and tensor-parallel rank 0): every forward
+    and backward of a microbatch takes its pass's roofline time (tensor parallelism dividing it, its all-reduces
+    waited for), in the order the stage's schedule runs them, each starting once the previous stage's activations
+    (or the next stage's gradients) have arrived over the pipeline's link; the bubble is the idle time this leaves.
+    The optimizer steps and the data-parallel reductions follow the last backward (FSDP2 and DDP reduce a
+    pipeline stage's gradients once per step), the busiest stage's counting."""
+    gpu = cluster.gpu
+    link = cluster.group_bytes_per_second(layout.pp, layout.dp * layout.tp)
+    durations: list[dict[tuple[str, int], float]] = []
+    sends: list[float] = []
+    for step in stages:
+        tp_all_reduce = sum(
+            _collective_seconds(c, layout, cluster) for c in step.collectives if c.group == TENSOR_PARALLEL
+        )
+        passes = {}
+        for stage_pass in step.pipeline_passes():
+            compute = _ops_seconds(step.ops[stage_pass.ops.start : stage_pass.ops.stop], gpu, compute_dtype)
+            kind = FORWARD if stage_pass.phase is Phase.FORWARD else BACKWARD
+            passes[kind, stage_pass.microbatch] = compute / layout.tp + tp_all_reduce / 2
+        durations.append(passes)
+        received = [row.nbytes for row in step.storages.values() if row.name.startswith(RECEIVE_BUFFER)]
+        sends.append(max(received, default=0) / link)
+    microbatches = len({microbatch for _, microbatch in durations[0]})
+    makespan = schedule_makespan(layout.pp_schedule, durations, sends, microbatches)
+    optimizer = max(
+        _ops_seconds([op for op in step.ops if op.phase is Phase.OPTIMIZER], gpu, compute_dtype) for step in stages
+    )
+    optimizer /= layout.tp * (layout.dp if layout.zero else 1)
+    data_parallel = max(
+        sum(_collective_seconds(c, layout, cluster) for c in step.collectives if c.group == DATA_PARALLEL)
+        for step in stages
+    )
+    busiest = max(range(len(stages)), key=lambda s: sum(durations[s].values()))
+    forward = sum(t for (kind, _), t in durations[busiest].items() if kind == FORWARD) / microbatches
+    backward = sum(t for (kind, _), t in durations[busiest].items() if kind == BACKWARD) / microbatches
+    bubble = makespan - sum(durations[busiest].values())
+    communication = data_parallel + 2 * microbatches * sum(sends)
+    total = makespan + optimizer + data_parallel
+    return StepTime(
+        forward, backward, optimizer, communication, data_parallel, 0.0, microbatches, total, pipeline_bubble_s=bubble
+    )
+
+
+def schedule_makespan(
+    schedule: str, durations: list[dict[tuple[str, int], float]], sends: list[float], microbatches: int
+) -> float:
+    """When the last stage's last action ends: each stage runs its schedule's actions in order
+    (strategies/pipeline.py ``schedule_actions``), a forward after the previous stage's forward of the same
+    microbatch has arrived, a backward after the next stage's backward of it."""
+    stages = len(durations)
+    actions = [schedule_actions(schedule, stages, stage, microbatches) for stage in range(stages)]
+    done: dict[tuple[int, str, int], float] = {}
+    clock, next_action = [0.0] * stages, [0] * stages
+    while any(next_action[s] < len(actions[s]) for s in range(stages)):
+        progressed = False
+        for stage in range(stages):
+            while next_action[stage] < len(actions[stage]):
+                kind, microbatch = actions[stage][next_action[stage]]
+                source = stage - 1 if kind == FORWARD else stage + 1
+                ready = 0.0
+                if 0 <= source < stages:
+                    if (source, kind, microbatch) not in done:
+                        break
+                    ready = done[source, kind, microbatch] + sends[min(stage, source)]
+                clock[stage] = max(clock[stage], ready) + durations[stage][kind, microbatch]
+                done[stage, kind, microbatch] = clock[stage]
+                next_action[stage] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the pipeline schedule waits on itself")
+    return max(clock)
+
+
 # Share of a collective's tensor that each rank sends through its link in a ring of n ranks (bus bandwidth).
 BUS_FACTORS = {
     ALL_REDUCE: lambda n: 2 * (n - 1) / n,
@@ -144,6 +221,12 @@ def _phase_seconds(
             op_seconds = max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second)
             seconds[op.phase] += op_seconds * (1 if op.phase is Phase.OPTIMIZER else repeats)
     return seconds
+
+
+def _ops_seconds(ops: list[Op], gpu: Gpu, compute_dtype: str) -> float:
+    flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
+    bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
+    return sum(max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second) for op in ops)
 
 
 def _optimizer_bytes(step: StepGraph) -> int:

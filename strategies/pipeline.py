@@ -38,6 +38,7 @@ from tracer.training import TrainingSetup
 
 SCHEDULES = ("gpipe", "1f1b")
 FORWARD, BACKWARD = "F", "B"
+RECEIVE_BUFFER = "pipeline receive buffer"
 Action = tuple[str, int]  # (FORWARD or BACKWARD, microbatch)
 
 
@@ -322,7 +323,7 @@ class _Stage:
             what = "activations" if phase is Phase.FORWARD else "gradients"
             for mb in range(self.plan.microbatches):
                 storage_id = len(rows)
-                name = f"pipeline receive buffer: {what}, microbatch {mb}"
+                name = f"{RECEIVE_BUFFER}: {what}, microbatch {mb}"
                 rows[storage_id] = StorageRow(
                     storage_id, row.nbytes, row.dtype, row.shape, Role.COMMUNICATION, None, None, (), "", True, name
                 )

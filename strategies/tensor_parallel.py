@@ -50,6 +50,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
+from strategies.pipeline import RECEIVE_BUFFER
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
@@ -224,12 +225,15 @@ def activation_all_reduce(step: StepGraph) -> Collective:
     reduce-scatter pair moves the same bytes)."""
     recomputed = any(op.recompute for op in step.ops)
     embedding = step.structure.input_embedding
-    outputs = (  # what the embedding makes in forward: its output (in backward, its weight's gradient)
-        row.nbytes
-        for row in step.storages.values()
-        if row.producer is not None and row.module == embedding and step.ops[row.producer].phase is Phase.FORWARD
-    )
-    hidden_state = max(outputs, default=0)
+    if embedding:  # what the embedding makes in forward: its output (in backward, its weight's gradient)
+        states = (
+            row.nbytes
+            for row in step.storages.values()
+            if row.producer is not None and row.module == embedding and step.ops[row.producer].phase is Phase.FORWARD
+        )
+    else:  # a later pipeline stage: the hidden state it receives
+        states = (row.nbytes for row in step.storages.values() if row.name.startswith(RECEIVE_BUFFER))
+    hidden_state = max(states, default=0)
     count = (6 if recomputed else 4) * len(step.structure.blocks) + 2
     return Collective(
         ALL_REDUCE, TENSOR_PARALLEL, count * hidden_state, Phase.FORWARD, True, False, "layer outputs and gradients"

@@ -14,7 +14,7 @@ from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
 from analysis.plan import Candidate, plan
-from analysis.steptime import Cluster, step_time
+from analysis.steptime import Cluster, schedule_makespan, step_time
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
 from tracer.gpus import find_gpu
@@ -226,3 +226,38 @@ def test_gpus_catalog(capsys):
     for name in ("v100-16gb", "v100-32gb", "t4", "a10g", "rtx3090", "rtx4090", "l4", "l40s", "a100-40gb"):
         assert name in names
     assert {"a100-80gb", "h100", "h200", "b200", "mi300x"} <= names
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 4), (4, 4), (4, 8), (3, 7)])
+def test_pipeline_makespan_is_the_textbook_bubble(schedule, stages, microbatches):
+    """Equal stages, nothing in flight between them: both schedules take (M + P - 1) forward-and-backward times,
+    the bubble (P - 1) of them (GPipe, arXiv 1811.06965; 1F1B, PipeDream-Flush)."""
+    forward, backward = 1.0, 2.0
+    durations = [
+        {(kind, mb): forward if kind == "F" else backward for kind in "FB" for mb in range(microbatches)}
+    ] * stages
+    makespan = schedule_makespan(schedule, durations, [0.0] * stages, microbatches)
+    assert makespan == pytest.approx((microbatches + stages - 1) * (forward + backward))
+
+
+def test_pipeline_layouts_are_planned_with_their_bubble():
+    """--pipeline on adds 1F1B layouts whose microbatches come from the global batch; each kept layout's report is
+    analyze's at its micro-batch and microbatches, and its step time carries the pipeline's bubble."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=16, offload=False, pipeline="on")
+    piped = [o for o in result.outcomes if o.candidate.layout.pp > 1 and o.fits]
+    assert piped
+    for outcome in piped:
+        layout = outcome.candidate.layout
+        assert layout.stage_microbatches == outcome.accumulation >= layout.pp
+        assert outcome.micro_batch * outcome.accumulation * layout.dp == 16
+        assert outcome.time.pipeline_bubble_s > 0
+        setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing)
+        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        assert budget.needed_bytes(report) == outcome.needed_bytes
+    none = plan(model, SETUP, 4, Cluster(gpu), budget, offload=False, pipeline="auto")
+    assert all(o.candidate.layout.pp == 1 for o in none.outcomes)
+    assert any("pipeline parallelism" in reason for reason in none.skipped)
