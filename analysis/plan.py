@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from analysis.budget import MemoryBudget
-from analysis.flags import PIPELINE_SEARCH
 from analysis.estimate import LayoutEstimate, StepSource
+from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
 from strategies.layout import Layout, Rank, prepare
