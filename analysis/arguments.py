@@ -534,6 +534,15 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         "under --zero's runtime over its data-parallel group (default 1)",
     )
     group.add_argument(
+        "--cp",
+        type=count(),
+        default=1,
+        help="context-parallel degree (torch's context_parallel, as torchtitan runs it): each sequence split over cp "
+        "GPUs, load balanced, every attention a ring over them (the keys and values all-gathered, the flash kernel "
+        "block by block); the data-parallel degree is gpus / (tp x pp x cp), and --zero's runtime replicates or "
+        "shards the parameters over dp x cp GPUs (default 1)",
+    )
+    group.add_argument(
         "--pp-split",
         type=counts,
         default=None,
@@ -702,6 +711,7 @@ def layout_of(args: argparse.Namespace):
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
         pp_split=args.pp_split,
+        cp=args.cp,
         zero=args.zero,
         engine=args.engine,
         sequence_parallel=args.sequence_parallel,

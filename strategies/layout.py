@@ -18,6 +18,7 @@ from strategies.fsdp import Fsdp2
 from strategies.pipeline import SCHEDULES, PipelineParallel
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
+from tracer.context_parallel import local_length
 from tracer.errors import UserError
 from tracer.expert_parallel import Routing, routing_of
 from tracer.graph import StepGraph
@@ -45,6 +46,7 @@ class Layout:
     ep: int = 1  # expert parallelism: MoE layers' experts split whole over this many ranks (tracer/expert_parallel.py)
     routing_imbalance: float = 1.0  # training with ep: the busiest rank's experts get this many times their share
     pp: int = 1
+    cp: int = 1  # context parallelism: each sequence split over this many ranks, attention as a ring over them
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: as many as stages
     pp_split: tuple[int, ...] | None = None  # decoder layers per pipeline stage; None: even
@@ -64,12 +66,16 @@ class Layout:
             raise UserError(f"--pp must be at least 1 (got {self.pp}).")
         if self.ep < 1:
             raise UserError(f"--ep must be at least 1 (got {self.ep}).")
+        if self.cp < 1:
+            raise UserError(f"--cp must be at least 1 (got {self.cp}).")
         if self.routing_imbalance != 1 and self.ep == 1:
             raise UserError("--routing-imbalance sets how unevenly --ep's routed tokens spread: add --ep 2 or more.")
-        if self.gpus % (self.tp * self.pp):
-            split = f"--tp {self.tp}" if self.pp == 1 else f"--tp {self.tp} x --pp {self.pp}"
-            degree = "gpus / tp" if self.pp == 1 else "gpus / (tp x pp)"
-            raise UserError(f"{split} must divide --gpus {self.gpus} (the data-parallel degree is {degree}).")
+        if self.gpus % (self.tp * self.pp * self.cp):
+            named = [f"--{name} {degree}" for name, degree in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))]
+            split = " x ".join(n for n in named if not n.endswith(" 1")) or "--tp 1"
+            raise UserError(
+                f"{split} must divide --gpus {self.gpus} (the data-parallel degree is gpus / (tp x pp x cp))."
+            )
         self._check_pipeline()
         if self.zero not in ZERO_STAGES:
             raise UserError(f"--zero must be 0, 1, 2 or 3 (got {self.zero}).")
@@ -79,12 +85,12 @@ class Layout:
             raise UserError(f"--tp-output must be parallel or gathered (got {self.tp_output!r}).")
         if self.offload is not None:
             self._check_offload()
-        if self.zero and self.dp == 1 and not (self.offload and self.engine == "deepspeed"):
+        if self.zero and self.replicas == 1 and not (self.offload and self.engine == "deepspeed"):
             raise UserError(
                 f"--zero {self.zero} shards over the data-parallel group, which is a single GPU with --gpus "
                 f"{self.gpus} --tp {self.tp}. Use more GPUs or --zero 0."
             )
-        if self.engine == "deepspeed" and self.zero == 0 and self.dp > 1:
+        if self.engine == "deepspeed" and self.zero == 0 and self.replicas > 1:
             raise UserError(
                 "DeepSpeed without ZeRO is not modelled: use --engine deepspeed --zero 1, 2 or 3, or plain "
                 "PyTorch DDP with --engine fsdp --zero 0."
@@ -144,7 +150,14 @@ class Layout:
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        """Replicas that each run their own batch."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: the data-parallel ones and,
+        under context parallelism, those sharing each sequence (torchtitan's dp_shard x cp mesh for FSDP)."""
+        return self.dp * self.cp
 
     @property
     def stage_microbatches(self) -> int:
@@ -161,6 +174,8 @@ class Layout:
         if self.plain:
             return "1 GPU"
         parts = []
+        if self.cp > 1:
+            parts.append(f"context parallel {self.cp}")
         if self.pp > 1:
             schedule = f"{self.pp_schedule}, {self.stage_microbatches} microbatches"
             split = f", layers {'+'.join(map(str, self.pp_split))}" if self.pp_split else ""
@@ -174,7 +189,7 @@ class Layout:
             parts.append(f"expert parallel {self.ep}")
         runtime = data_parallel(self)
         if runtime is not None:
-            parts.append(f"{runtime.name} over {self.dp}" if self.dp > 1 else runtime.name)
+            parts.append(f"{runtime.name} over {self.replicas}" if self.replicas > 1 else runtime.name)
         return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: " + " x ".join(parts) + offload
 
     def to_json(self) -> dict[str, Any]:
@@ -190,7 +205,7 @@ class Rank:
     pp: int = 0
 
     def global_rank(self, layout: Layout) -> int:
-        return (self.pp * layout.dp + self.dp) * layout.tp + self.tp
+        return ((self.pp * layout.dp + self.dp) * layout.cp) * layout.tp + self.tp  # context-parallel rank 0
 
 
 class DataParallel(Protocol):
@@ -218,14 +233,16 @@ def data_parallel(layout: Layout) -> DataParallel | None:
     """The runtime ``--zero`` and ``--engine`` stand for; None for a single replica without ZeRO."""
     offload_params = layout.offload == "optimizer,params"
     if layout.engine == "deepspeed" and layout.zero:
-        return DeepSpeedZero(layout.zero, layout.dp, layout.offload is not None, offload_params, layout.zero_config)
-    if layout.dp == 1:
+        return DeepSpeedZero(
+            layout.zero, layout.replicas, layout.offload is not None, offload_params, layout.zero_config
+        )
+    if layout.replicas == 1:
         return None
     if layout.zero == 0:
         return Ddp(experts_left_out=layout.ep > 1)
     if layout.zero == 1:
-        return ZeroRedundancy(world=layout.dp)
-    return Fsdp2(layout.dp, layout.zero == 3, offload_params, layout.tp)
+        return ZeroRedundancy(world=layout.replicas)
+    return Fsdp2(layout.replicas, layout.zero == 3, offload_params, layout.tp)
 
 
 @dataclass(frozen=True)
@@ -282,6 +299,7 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     if setup.mode == "inference":
         return _prepare_inference(layout, setup, config)
     routing = _expert_parallel_routing(layout, setup, config) if layout.ep > 1 else None
+    context = _context_parallel(layout, setup) if layout.cp > 1 else None
     if layout.engine == "deepspeed":
         hidden_size = getattr(config, "hidden_size", None)
         layout = dataclasses.replace(layout, zero_config=layout.zero_config.resolved(hidden_size))
@@ -316,6 +334,9 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
     if pipeline is not None:
         traced = pipeline.traced_setup(traced)
     assumptions = {"mixed_precision_recipe": recipe} if recipe else {}
+    if context is not None:
+        traced = dataclasses.replace(traced, seq_len=context, context_parallel=layout.cp)
+        assumptions["context_parallel"] = CONTEXT_PARALLEL_TRAINING.format(cp=layout.cp, local=context)
     if routing is not None:
         traced = dataclasses.replace(traced, expert_parallel=layout.ep, routing_imbalance=layout.routing_imbalance)
         assumptions["expert_parallel"] = EXPERT_PARALLEL_TRAINING
@@ -329,6 +350,27 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         if data is not None:
             assumptions["data_parallel"] = data.note
     return PreparedLayout(layout, setup, traced, tensor, data, pipeline, assumptions)
+
+
+CONTEXT_PARALLEL_TRAINING = (
+    "torch's context_parallel as torchtitan runs it: each sequence split over {cp} GPUs, load balanced (two of "
+    "2 x {cp} chunks, {local} tokens, each), every attention a ring (the key and value all-gathered, the flash kernel "
+    "block by block, merged in float32; the key/value gradients passed around by all-to-all); the busiest GPU, the "
+    "first, is the one traced; parameters replicated or sharded over the data-parallel x context-parallel GPUs"
+)
+
+
+def _context_parallel(layout: Layout, setup: TrainingSetup) -> int:
+    """Refuse what context parallelism is not modelled with (each by name), else the tokens each rank holds."""
+    if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+        raise UserError(
+            "--cp with --tp, --pp or --ep is not modelled yet (not checked against a runtime): drop one of them."
+        )
+    if layout.engine == "deepspeed" or layout.offload:
+        raise UserError("--cp is torch's context_parallel: use --engine fsdp (DDP or FSDP2) without --offload.")
+    if setup.attn == "eager":
+        raise UserError("--cp runs attention as a ring over the flash kernel: drop --attn eager.")
+    return local_length(setup.seq_len, layout.cp)
 
 
 EXPERT_PARALLEL_TRAINING = (
@@ -381,6 +423,8 @@ def _refuse_quantized_tensor_parallel(layout: Layout, setup: TrainingSetup) -> N
 
 def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | None) -> PreparedLayout:
     """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
+    if layout.cp > 1:
+        raise UserError("--cp (torch's context_parallel) is modelled in training; drop it with --mode inference.")
     if layout.routing_imbalance != 1:
         raise UserError(
             "--routing-imbalance applies to --ep in training: at inference each GPU runs its experts on every routed "

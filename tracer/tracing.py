@@ -23,6 +23,7 @@ from transformers import masking_utils
 
 from tracer.baseline import register_baseline
 from tracer.config_check import EXPERT_COUNTS
+from tracer.context_parallel import ring_attention
 from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
@@ -189,10 +190,12 @@ def _record(
             report(phase.value, 0, 0 if phase is Phase.OPTIMIZER else blocks)
             recorder.enter(phase)
 
+        ring = setup.context_parallel > 1  # attention as context parallelism's ring runs it, on the rank's tokens
         with (
             recorder.recording(),
             emulation.kernel_scratch() if emulation else nullcontext(),
             placement.copies(recorder) if placement else nullcontext(),
+            ring_attention(setup.context_parallel, 0, cuda) if ring else nullcontext(),
         ):
             if setup.mode == "inference":
                 step.run(batch, on_phase=on_phase, recorder=recorder)

@@ -151,6 +151,9 @@ class TrainingSetup:
     expert_parallel: int = 1
     # training with --ep: the busiest rank's experts receive this many times their share of the routed tokens
     routing_imbalance: float = 1.0
+    # the rank traced runs its share of the sequence with ring attention over this many: set by the layout's --cp
+    # (tracer/context_parallel.py)
+    context_parallel: int = 1
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 
     def __post_init__(self) -> None:
@@ -260,4 +263,5 @@ class TrainingSetup:
         for name in INFERENCE_ONLY if self.mode == "train" else TRAINING_ONLY:
             del data[name]
         del data["expert_parallel"], data["routing_imbalance"]  # the layout's (--ep), reported with it
+        del data["context_parallel"]  # the layout's (--cp), reported with it
         return data
