@@ -513,8 +513,10 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="expert-parallel degree of a MoE model: each GPU holds 1/ep of every MoE layer's experts, whole. "
         "With --mode inference it equals --tp, as transformers runs it (DistributedConfig(tp_size=N, ep_size=N): "
-        "each GPU runs its experts on the whole batch and the outputs are all-reduced); in training it equals "
-        "--gpus, as torchtitan's all-to-all token dispatcher runs it, the dense parameters under DDP (default 1)",
+        "each GPU runs its experts on the whole batch and the outputs are all-reduced); in training it divides "
+        "--gpus, as torchtitan runs it: groups of ep GPUs exchange the routed tokens by all-to-all, each GPU with its "
+        "own batch, the dense parameters under DDP (ep equal to --gpus) or FSDP2 over all the GPUs (--zero 2/3: "
+        "the experts sharded over the gpus / ep GPUs holding them) (default 1)",
     )
     group.add_argument(
         "--routing-imbalance",

@@ -4,26 +4,32 @@ so that the step time sums what each runtime issues instead of re-deriving it.""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 
 from tracer.graph import ALL_GATHER, DATA_PARALLEL, REDUCE_SCATTER, Collective, StepGraph
 from tracer.roles import Phase, Role
 from tracer.trace import element_size as element_size_of
 
 
-def parameter_bytes(step: StepGraph) -> int:
-    """Bytes of the parameters a rank holds on the device (the shards of tensor parallelism, if any)."""
-    return sum(row.nbytes for row in step.storages.values() if row.role is Role.PARAMETER and row.on_device)
+def parameter_bytes(step: StepGraph, names: Container[str] | None = None) -> int:
+    """Bytes of the parameters a rank holds on the device (the shards of tensor parallelism, if any), of all or
+    of those ``names``."""
+    return sum(
+        row.nbytes
+        for row in step.storages.values()
+        if row.role is Role.PARAMETER and row.on_device and (names is None or row.param in names)
+    )
 
 
-def gradient_bytes(step: StepGraph, element_size: int | None = None) -> int:
-    """Bytes of the gradients a rank reduces: one per trained parameter, the size of the rank's parameter (its
-    tensor-parallel shard: DTensor's full-size embedding gradient is redistributed to a shard before the
-    optimizer sees it), in the gradient's dtype or in ``element_size`` bytes per element where a runtime
-    reduces in another dtype (FSDP2's ``reduce_dtype=float32``)."""
+def gradient_bytes(step: StepGraph, element_size: int | None = None, names: Container[str] | None = None) -> int:
+    """Bytes of the gradients a rank reduces: one per trained parameter (of all, or of those ``names``), the size
+    of the rank's parameter (its tensor-parallel shard: DTensor's full-size embedding gradient is redistributed to
+    a shard before the optimizer sees it), in the gradient's dtype or in ``element_size`` bytes per element where a
+    runtime reduces in another dtype (FSDP2's ``reduce_dtype=float32``)."""
     parameters = {row.param: row for row in step.storages.values() if row.role is Role.PARAMETER and row.param}
     total = 0
     for row in step.storages.values():
-        if row.role is Role.GRADIENT:
+        if row.role is Role.GRADIENT and (names is None or row.param in names):
             numel = parameters[row.param].numel if row.param in parameters else row.numel
             total += numel * (element_size or element_size_of(row.dtype))
     return total

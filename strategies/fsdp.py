@@ -21,6 +21,9 @@ Follows the runtime in torch/distributed/fsdp/_fully_shard (torch 2.11-2.13), wi
 With a mixed-precision policy the traced step is the one that computes in ``param_dtype`` (the unsharded
 parameters, activations and gradients); sharded parameters, optimizer states and optimizer temporaries
 keep the original dtype.
+
+With expert parallelism the units, parameter groups and prefetching are torchtitan's instead
+(:class:`_ExpertParallelFsdp`).
 """
 
 from __future__ import annotations
@@ -29,10 +32,23 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass
 
-from strategies.collectives import recorded, sharded_data_parallel
+from strategies.collectives import gradient_bytes, parameter_bytes, recorded, sharded_data_parallel
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
-from tracer.graph import DEVICE_TO_HOST, HOST_TO_DEVICE, PipelinePass, StepGraph, StorageRow, Transfer
+from tracer.errors import UserError
+from tracer.expert_parallel import expert_weight
+from tracer.graph import (
+    ALL_GATHER,
+    DATA_PARALLEL,
+    DEVICE_TO_HOST,
+    HOST_TO_DEVICE,
+    REDUCE_SCATTER,
+    Collective,
+    PipelinePass,
+    StepGraph,
+    StorageRow,
+    Transfer,
+)
 from tracer.modules import enclosing_block, within
 from tracer.roles import Phase, Role
 from tracer.trace import element_size
@@ -55,17 +71,20 @@ class FsdpPlan:
     reshard_after_forward: bool = True
     mixed_precision: bool = False  # MixedPrecisionPolicy(param_dtype=<traced dtype>, reduce_dtype=float32)
     offload: bool = False  # CPUOffloadPolicy: sharded parameters, gradients and the optimizer step on the host
+    # > 1: torchtitan's layout with expert parallelism over groups of this many ranks (_ExpertParallelFsdp)
+    expert_parallel: int = 1
 
 
 @dataclass(frozen=True)
 class Fsdp2:
     """The runtime of PyTorch's ``--zero 2`` and ``--zero 3``: ``fully_shard`` over ``world`` ranks, of the
-    tensor-parallel slices when ``tensor_parallel`` > 1."""
+    tensor-parallel slices when ``tensor_parallel`` > 1, as torchtitan lays it out when ``expert_parallel`` > 1."""
 
     world: int
     reshard_after_forward: bool = True
     offload: bool = False
     tensor_parallel: int = 1
+    expert_parallel: int = 1  # > 1: torchtitan's FSDP2 with the experts split over groups of this many ranks
 
     @property
     def name(self) -> str:
@@ -73,6 +92,16 @@ class Fsdp2:
 
     @property
     def note(self) -> str:
+        if self.expert_parallel > 1:
+            experts = self.world // self.expert_parallel
+            policy = "default" if self.reshard_after_forward else "never"
+            return (
+                f"torchtitan's apply_fsdp (fsdp_reshard_after_forward={policy!r}): fully_shard on the token embedding, "
+                f"each decoder layer, the final norm with the output layer (not resharded after forward) and the "
+                f"root; a MoE layer's routed experts in a parameter group of their own, sharded over the {experts} "
+                "GPU(s) holding the same experts, the rest over all; forward and backward prefetch set explicitly, "
+                "one module ahead; the reduce-scatter inputs of a layer's two groups held until the next layer's"
+            )
         return (
             f"fully_shard on each decoder layer and on the root, reshard_after_forward={self.reshard_after_forward}, "
             "one unit prefetched in backward, one reduce-scatter input held"
@@ -92,21 +121,30 @@ class Fsdp2:
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
         """Rank 0, and the last rank when a dimension does not split evenly (its shards are padded)."""
-        shapes = [row.shape for row in step.storages.values() if row.role is Role.PARAMETER]
-        uneven = any(shape and shape[0] % (self.tensor_parallel * self.world) for shape in shapes)
+        if self.expert_parallel > 1:
+            placements = _expert_parallel_placements(step, self.world, self.expert_parallel).values()
+            uneven = any(placement.shard.rows % placement.shard.world for placement in placements)
+        else:
+            shapes = [row.shape for row in step.storages.values() if row.role is Role.PARAMETER]
+            uneven = any(shape and shape[0] % (self.tensor_parallel * self.world) for shape in shapes)
         return [0, self.world - 1] if uneven else [0]
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
         mixed = setup.mixed_precision is not None and setup.dtype == "fp32"  # fp32 shards, low-precision compute
-        sharded = fsdp(step, FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload))
+        plan = FsdpPlan(self.world, rank, self.reshard_after_forward, mixed, self.offload, self.expert_parallel)
         reduce_bytes = FLOAT32_BYTES if mixed else None  # MixedPrecisionPolicy(reduce_dtype=float32)
-        return recorded(sharded, *sharded_data_parallel(step, self.reshard_after_forward, reduce_bytes))
+        if self.expert_parallel > 1:
+            runtime = _ExpertParallelFsdp(step, plan)
+            return recorded(runtime.build(), *runtime.collectives(reduce_bytes))
+        return recorded(fsdp(step, plan), *sharded_data_parallel(step, self.reshard_after_forward, reduce_bytes))
 
 
 def fsdp(step: StepGraph, plan: FsdpPlan) -> StepGraph:
     """The step of rank ``plan.rank`` under FSDP2."""
     if plan.world < 2:
         raise ValueError("FSDP needs a data-parallel group of at least 2 ranks")
+    if plan.expert_parallel > 1:
+        return _ExpertParallelFsdp(step, plan).build()
     return _Fsdp(step, plan).build()
 
 
@@ -136,6 +174,10 @@ class _Fsdp:
         self.unsharded: dict[str, list[int]] = defaultdict(list)  # unsharded storages not freed yet
         self.held_reduce_input: int | None = None
         self.float32_grads: dict[str, list[int]] = {}  # a pipeline stage's accumulated gradients, by unit
+
+    def shard_rank(self, name: str) -> int:
+        """This rank's place in the group that shards parameter ``name``."""
+        return self.plan.rank
 
     def master(self, name: str) -> int:
         """Bytes per element of the sharded parameter and its optimizer state."""
@@ -176,7 +218,7 @@ class _Fsdp:
                 if row.numel > 1 and row.nbytes % numel == 0:
                     element = row.nbytes // numel * self.master(name) // self.compute[name]
                     dtype = self.master_dtype([name]) if row.dtype == self.params[name].dtype else None
-                    self.rw.resize(row.id, shard.local_numel(self.plan.rank) * element, dtype)
+                    self.rw.resize(row.id, shard.local_numel(self.shard_rank(name)) * element, dtype)
             else:
                 continue
             if self.plan.offload:
@@ -454,3 +496,281 @@ class _Fsdp:
 class _Gather:
     point: Point
     buffer: int
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """How torchtitan's layout shards one parameter: ``shard`` has the sizes of ``Shard(dim)`` (those of
+    ``Shard(0)`` on the shape with ``dim`` moved first), over all the ranks or, for a routed expert's weight,
+    over the ranks that hold the same experts."""
+
+    shard: Dim0Shard
+    dim: int
+    experts: bool
+
+
+def _expert_parallel_placements(step: StepGraph, world: int, expert_parallel: int) -> dict[str, _Placement]:
+    """Each parameter's placement under torchtitan's ``apply_fsdp`` with expert parallelism: the dense ones
+    ``Shard(0)`` over all ``world`` ranks; a MoE layer's routed experts (this rank's ``1 / expert_parallel`` of
+    them, by the model's ``ep_plan``) over the ``world / expert_parallel`` ranks holding the same experts, on
+    dim 0, or on dim 1 where those ranks outnumber the local experts (torchtitan: efsdp x ep > experts), which
+    FSDP2 shards only evenly."""
+    experts_world = world // expert_parallel
+    placements = {}
+    for row in step.storages.values():
+        if row.role is not Role.PARAMETER or not row.param:
+            continue
+        if not expert_weight(step.structure.ep_plan, row.param):
+            placements[row.param] = _Placement(Dim0Shard(row.shape, world), 0, False)
+        elif experts_world > row.shape[0]:
+            if row.shape[1] % experts_world:
+                raise UserError(
+                    f"--ep {expert_parallel} over --gpus {world}: the {experts_world} GPUs holding the same experts "
+                    f"outnumber the {row.shape[0]} each holds, so torchtitan shards them on dim 1, which FSDP2 splits "
+                    f"only evenly, and {row.param} has {row.shape[1]} there: use --gpus at most the model's "
+                    f"{row.shape[0] * expert_parallel} experts, or a --gpus / --ep dividing {row.shape[1]}."
+                )
+            shape = (row.shape[1], row.shape[0], *row.shape[2:])
+            placements[row.param] = _Placement(Dim0Shard(shape, experts_world), 1, True)
+        else:
+            placements[row.param] = _Placement(Dim0Shard(row.shape, experts_world), 0, True)
+    return placements
+
+
+class _ExpertParallelFsdp(_Fsdp):
+    """FSDP2 as torchtitan's ``apply_fsdp`` lays it out with expert parallelism (torchtitan/distributed/fsdp.py and
+    experiments/transformers_modeling_backend/parallelize.py at commit 73aed7f6), run by torch 2.13's
+    ``_fully_shard``:
+
+    * Units: the token embedding, each decoder layer, the final norm with the output layer (``fully_shard([norm,
+      lm_head])``, never resharded after forward under the ``default`` and ``never`` policies) and the root, which
+      holds no parameters. A MoE layer's ``shard_placement_fn`` puts its routed experts in a second parameter group
+      (``FSDPParamGroup``) on the mesh of the ranks holding the same experts; the dense group comes first, as its
+      parameters do.
+    * Prefetching is explicit (``set_modules_to_forward_prefetch`` and ``..._backward_prefetch``, one unit ahead):
+      in forward each unit, after its copy-out, all-gathers the next unit's groups, which hold their buffers until
+      that unit's copy-out; the groups share one comm context, whose ``all_gather_state`` keeps the last copied-out
+      buffer of any group until the next group's ``wait_for_unshard``. In backward each unit's pre-backward copies
+      out its groups (each buffer freed after its copy-out) and then all-gathers the previous unit's groups, last
+      group first.
+    * A group of one rank (the experts, where ``--ep`` equals ``--gpus``) allocates no all-gather buffer: its
+      ``wait_for_unshard`` copies each shard (cast to the compute dtype under a mixed-precision policy, the cast
+      freed when the next is made) into the unsharded storage; it still frees the comm context's held buffer in
+      forward and keeps none. Its ``foreach_reduce`` copies the reduce-scatter input into the output through a
+      temporary (``input / gradient_divide_factor``: torchtitan sets the factor to 1).
+    * ``Shard(1)``: the copy-out goes through a temporary per parameter (``foreach_all_gather_copy_out``) and the
+      reduce-scatter input is built from each gradient's chunks concatenated on dim 0 (``foreach_reduce``).
+    * Post-backward runs per group, the expert group first (autograd reaches its hook first); the last group
+      waits on and frees every held reduce-scatter input (``reduce_scatter_max_input_buffers`` = 1) before
+      reducing, so a layer's two inputs are held together until the next layer's; the embedding's runs in the
+      final callback, which then frees what is held.
+    """
+
+    def __init__(self, step: StepGraph, plan: FsdpPlan) -> None:
+        super().__init__(step, plan)
+        self.placements = _expert_parallel_placements(step, plan.world, plan.expert_parallel)
+        self.shards = {name: placement.shard for name, placement in self.placements.items()}
+        structure = step.structure
+        if not structure.output_embedding:
+            raise UserError("--ep with --zero 2/3 needs the model's output layer: torchtitan shards it with the norm.")
+        self.embedding, self.head = structure.input_embedding, structure.output_embedding
+        outside = sorted({name.rpartition(".")[0] for name in self.params if self._outside(name)})
+        if len(outside) > 1:
+            raise UserError(
+                "--ep with --zero 2/3 follows torchtitan's FSDP2 units (the token embedding, the decoder layers, the "
+                f"final norm with the output layer); this model has parameters in {', '.join(outside)}, outside "
+                "them, which is not modelled."
+            )
+        self.paths = (
+            {self.embedding: (self.embedding,)}
+            | {block: (block,) for block in structure.blocks}
+            | {self.head: (*outside, self.head), ROOT: ("",)}
+        )
+        self.order = (self.embedding, *structure.blocks, self.head)  # the units, in forward order
+        self.groups: dict[str, list[str]] = defaultdict(list)  # unit -> its groups' keys, in order
+        self.units = defaultdict(list)  # group key -> its parameters
+        for name in self.params:  # in registration order, which orders the groups
+            unit = self._unit(name)
+            key = f"{unit} experts" if self.placements[name].experts else unit
+            if key not in self.groups[unit]:
+                self.groups[unit].append(key)
+            self.units[key].append(name)
+        self.key_of = {name: key for key, names in self.units.items() for name in names}
+        self.grads = defaultdict(list)
+        for row in step.storages.values():
+            if row.role is Role.GRADIENT and row.param in self.params:
+                self.grads[self.key_of[row.param]].append(row)
+        self.held_reduce_inputs: list[int] = []  # the comm context's reduce_scatter_states
+
+    def collectives(self, reduce_bytes: int | None) -> list[Collective]:
+        """What the layout gathers and reduces per step, each unit's dense group over all the GPUs and its experts'
+        group over the GPUs holding the same experts (recorded apart, for that smaller group; nothing where it is
+        one GPU); the final norm and output layer are gathered in forward only. ``reduce_bytes``: the element size
+        of the reduction, None for the gradients' own."""
+        experts_world = self.plan.world // self.plan.expert_parallel
+        dense = [name for name in self.params if not self.placements[name].experts]
+        groups = [(dense, "dense parameters")]
+        if experts_world > 1:
+            experts = [name for name in self.params if self.placements[name].experts]
+            groups.append((experts, f"routed experts (over the {experts_world} GPUs holding them)"))
+        records = []
+        for names, what in groups:
+            gathered = parameter_bytes(self.step, names)
+            records.append(
+                Collective(ALL_GATHER, DATA_PARALLEL, gathered, Phase.FORWARD, True, True, f"{what} before forward")
+            )
+            if self.plan.reshard_after_forward:
+                again = parameter_bytes(self.step, set(names) - set(self.units[self.head]))
+                records.append(
+                    Collective(ALL_GATHER, DATA_PARALLEL, again, Phase.BACKWARD, True, True, f"{what} before backward")
+                )
+            reduced = gradient_bytes(self.step, reduce_bytes, names)
+            what = f"gradients of the {what} after backward"
+            records.append(Collective(REDUCE_SCATTER, DATA_PARALLEL, reduced, Phase.BACKWARD, True, True, what))
+        return records
+
+    def _outside(self, name: str) -> bool:
+        """Whether parameter ``name`` lies outside the embedding, the decoder layers and the output layer (the
+        final norm's)."""
+        return not (enclosing_block(name, self.blocks) or within(name, self.embedding) or within(name, self.head))
+
+    def _unit(self, name: str) -> str:
+        if within(name, self.embedding):
+            return self.embedding
+        return enclosing_block(name, self.blocks) or self.head
+
+    def shard_rank(self, name: str) -> int:
+        """Rank r sits at (r // ep, r % ep) of torchtitan's (efsdp, ep) mesh: r // ep is its place among the ranks
+        holding its experts."""
+        return self.plan.rank // self.plan.expert_parallel if self.placements[name].experts else self.plan.rank
+
+    def world_of(self, key: str) -> int:
+        return self.shards[self.units[key][0]].world
+
+    def forward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
+        rw, held = self.rw, None
+        prefetched: dict[str, int] = {}
+        for position, unit in enumerate(self.order):
+            first, last = windows[unit][Phase.FORWARD]
+            reshards = self.plan.reshard_after_forward and unit != self.head
+            end = rw.after(last, "fsdp.reshard", unit, Phase.FORWARD) if reshards else None
+            for key in self.groups[unit]:
+                buffer = prefetched.pop(key, None)
+                if buffer is None and self.world_of(key) > 1:
+                    buffer = self.all_gather(key, rw.before(first, "fsdp.all_gather", unit, Phase.FORWARD)).buffer
+                wait = rw.before(first, "fsdp.wait_for_unshard", unit, Phase.FORWARD)
+                if held is not None:
+                    rw.retime(held, last=wait)
+                held = buffer
+                rows = self.copy_out_group(key, unit, first, Phase.FORWARD, end)
+                if not reshards:
+                    self.unsharded[key] = rows
+            if position + 1 < len(self.order):
+                following = self.order[position + 1]
+                for key in self.groups[following]:
+                    if self.world_of(key) > 1:
+                        point = rw.before(first, "fsdp.all_gather (prefetch)", following, Phase.FORWARD)
+                        prefetched[key] = self.all_gather(key, point).buffer
+        root_end = windows[ROOT][Phase.FORWARD][1]
+        if held is not None:
+            rw.retime(held, last=rw.after(root_end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
+
+    def backward(self, windows: dict[str, dict[Phase, tuple[int, int]]], passes: range) -> None:
+        rw = self.rw
+        order = [self.head, *reversed(self.step.structure.blocks), self.embedding]
+        end = max(window[Phase.BACKWARD][1] for window in windows.values() if Phase.BACKWARD in window)
+        prefetched: dict[str, int] = {}
+        for position, unit in enumerate(order):
+            first, last = windows[unit][Phase.BACKWARD]
+            for key in self.groups[unit]:
+                if key in self.unsharded:
+                    continue
+                buffer = prefetched.pop(key, None)
+                if buffer is None and self.world_of(key) > 1:
+                    buffer = self.all_gather(key, rw.before(first, "fsdp.all_gather", unit, Phase.BACKWARD)).buffer
+                rows = self.copy_out_group(key, unit, first, Phase.BACKWARD, None)
+                if buffer is not None:
+                    rw.retime(buffer, last=rw.lifetime(rows[-1])[0])
+                self.unsharded[key] = rows
+            if position + 1 < len(order):
+                previous = order[position + 1]
+                for key in reversed(self.groups[previous]):
+                    if key not in self.unsharded and self.world_of(key) > 1:
+                        point = rw.before(first, "fsdp.all_gather (prefetch)", previous, Phase.BACKWARD)
+                        prefetched[key] = self.all_gather(key, point).buffer
+            # The embedding's input needs no gradient: its post-backward runs in the final callback.
+            point = end if unit == self.embedding else last
+            for key in reversed(self.groups[unit]):
+                self.group_post_backward(key, unit, point, waits=key == self.groups[unit][-1])
+        finalize = rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
+        for storage_id in self.held_reduce_inputs:
+            rw.retime(storage_id, last=finalize)
+        self.held_reduce_inputs = []
+
+    def copy_out_group(self, key: str, unit: str, first: int, phase: Phase, last: Point | None) -> list[int]:
+        """``wait_for_unshard``'s copy into the unsharded parameters of group ``key``, before op ``first``."""
+        rw, names = self.rw, self.units[key]
+        if self.world_of(key) == 1:  # each shard copied into its unsharded storage, through a cast under a policy
+            rows, cast = [], None
+            for name in names:
+                numel, dtype = self.shards[name].padded_numel, self.params[name].dtype
+                if self.plan.mixed_precision:
+                    point = rw.before(first, "fsdp.cast", unit, phase)
+                    if cast is not None:
+                        rw.retime(cast, last=point)
+                    cast = rw.add(numel * self.compute[name], Role.COMMUNICATION, point, None, f"{name} (cast)", dtype)
+                copy = rw.before(first, "fsdp.copy", unit, phase)
+                name_unsharded = f"{name} (unsharded)"
+                rows.append(rw.add(numel * self.compute[name], Role.PARAMETER, copy, last, name_unsharded, dtype, name))
+            if cast is not None:
+                rw.retime(cast, last=rw.lifetime(rows[-1])[0])
+            return rows
+        point = rw.before(first, "fsdp.all_gather_copy_out", unit, phase)
+        rows = self.copy_out(key, point, last)
+        for name in names:  # Shard(1): a temporary per parameter, chunk-cat into the unsharded one
+            if self.placements[name].dim:
+                size = self.shards[name].padded_numel * self.compute[name]
+                rw.add(size, Role.COMMUNICATION, point, point, f"{name} (copy-out)", self.params[name].dtype)
+        return rows
+
+    def group_post_backward(self, key: str, unit: str, last: int, waits: bool) -> None:
+        """``FSDPParamGroup.post_backward`` of group ``key`` after op ``last``; ``waits``: the unit's last group,
+        which frees the held reduce-scatter inputs first."""
+        rw = self.rw
+        reshard = rw.after(last, "fsdp.reshard", unit, Phase.BACKWARD)
+        for storage_id in self.unsharded.pop(key, []):
+            rw.retime(storage_id, last=reshard)
+        if waits:
+            for storage_id in self.held_reduce_inputs:
+                rw.retime(storage_id, last=reshard)
+            self.held_reduce_inputs = []
+        names = [name for name in self.units[key] if name in self.trained]
+        if not names:
+            return
+        world = self.world_of(key)
+        grads = {row.param: row for row in self.grads[key]}
+        reduced = [grads[name].id for name in names]
+        if world > 1:  # Shard(1): each gradient's chunks concatenated on dim 0, the gradient freed
+            for index, name in enumerate(names):
+                if self.placements[name].dim:
+                    point = rw.after(last, "fsdp.chunk_cat", unit, Phase.BACKWARD)
+                    rw.retime(reduced[index], last=point)
+                    row = grads[name]
+                    reduced[index] = rw.add(row.nbytes, Role.GRADIENT, point, None, f"{name} (chunks)", row.dtype, name)
+        reduce_in = rw.after(last, "fsdp.reduce_scatter", unit, Phase.BACKWARD)
+        size = sum(self.shards[n].padded_numel * self.reduce(n) for n in names)
+        reduce_dtype = self.master_dtype(names)
+        self.held_reduce_inputs.append(
+            rw.add(size, Role.COMMUNICATION, reduce_in, None, f"reduce-scatter {key}", reduce_dtype)
+        )
+        for storage_id in reduced:
+            rw.retime(storage_id, last=reduce_in)
+        reduce_out = rw.after(last, "fsdp.reduce_scatter_output", unit, Phase.BACKWARD)
+        zero_grad = max((row.freed_after for row in self.grads[key] if row.freed_after is not None), default=None)
+        kept_until = None if zero_grad is None else Point(zero_grad, 0)
+        sharded_bytes = sum(self.shards[n].padded_shard_numel * self.reduce(n) for n in names)
+        name = f"sharded gradients {key}"
+        rw.add(sharded_bytes, Role.GRADIENT, reduce_out, kept_until, name, reduce_dtype, stream=REDUCE_SCATTER_STREAM)
+        if world == 1:  # reduce_output.copy_(reduce_scatter_input / gradient_divide_factor)
+            name = f"reduce-scatter input / 1 {key}"
+            rw.add(size, Role.COMMUNICATION, reduce_out, reduce_out, name, reduce_dtype, stream=REDUCE_SCATTER_STREAM)

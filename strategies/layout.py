@@ -242,7 +242,7 @@ def data_parallel(layout: Layout) -> DataParallel | None:
         return Ddp(experts_left_out=layout.ep > 1)
     if layout.zero == 1:
         return ZeroRedundancy(world=layout.replicas)
-    return Fsdp2(layout.replicas, layout.zero == 3, offload_params, layout.tp)
+    return Fsdp2(layout.replicas, layout.zero == 3, offload_params, layout.tp, layout.ep)
 
 
 @dataclass(frozen=True)
@@ -374,9 +374,10 @@ def _context_parallel(layout: Layout, setup: TrainingSetup) -> int:
 
 
 EXPERT_PARALLEL_TRAINING = (
-    "torchtitan's AllToAllTokenDispatcher over all the GPUs, each holding 1/ep of every MoE layer's experts: the "
-    "routed tokens exchanged by all_to_all_single, run by grouped matmuls on the rows received, sent back; the "
-    "dense parameters under DDP, the experts' gradients complete on their one GPU"
+    "torchtitan's AllToAllTokenDispatcher within groups of ep GPUs, each holding 1/ep of every MoE layer's experts: "
+    "the routed tokens exchanged by all_to_all_single, run by grouped matmuls on the rows received, sent back; "
+    "every GPU its own batch; the dense parameters under DDP (ep = gpus: the experts' gradients complete on their one "
+    "GPU) or FSDP2 over all the GPUs (the experts sharded over the gpus / ep GPUs holding them)"
 )
 
 
@@ -389,17 +390,26 @@ def _expert_parallel_routing(layout: Layout, setup: TrainingSetup, config: Pretr
         raise UserError(
             "--ep with --tp or --pp in training is not modelled yet (not checked against a runtime): drop one of them."
         )
-    if layout.zero or layout.engine != "fsdp" or layout.offload:
+    if layout.zero == 1 or layout.engine != "fsdp" or layout.offload:
         raise UserError(
-            "--ep in training is modelled with DDP over the dense parameters (--zero 0): torchtitan's FSDP2 layout, "
-            "the experts sharded over gpus / ep GPUs in a parameter group of their own, is not modelled yet; "
-            "ZeroRedundancyOptimizer, DeepSpeed and offloading are not modelled with --ep."
+            "--ep in training is modelled with DDP (--zero 0) or torchtitan's FSDP2 (--zero 2 or 3) over the data-"
+            "parallel GPUs; ZeroRedundancyOptimizer, DeepSpeed and offloading are not modelled with --ep."
         )
-    if layout.ep != layout.dp:
+    if layout.dp % layout.ep:
         raise UserError(
-            f"--ep {layout.ep} in training must equal --gpus {layout.gpus}: each expert then lives on one GPU, whose "
-            "gradient the all-to-all's backward completes; experts repeated over gpus / ep GPUs would need their "
-            "gradients reduced over those, which is not modelled."
+            f"--ep {layout.ep} must divide --gpus {layout.gpus}: the GPUs form groups of --ep that exchange tokens, "
+            "each GPU of a group holding its share of the experts."
+        )
+    if layout.zero == 0 and layout.ep != layout.dp:
+        raise UserError(
+            f"--ep {layout.ep} with DDP must equal --gpus {layout.gpus}: each expert then lives on one GPU, whose "
+            "gradient the all-to-all's backward completes; experts repeated over gpus / ep GPUs need their gradients "
+            "reduced over those, which torchtitan's FSDP2 does (--zero 2 or 3)."
+        )
+    if layout.zero and getattr(config, "tie_word_embeddings", False):
+        raise UserError(
+            "--ep with --zero 2/3 follows torchtitan's FSDP2 units, which group tied input and output embeddings with "
+            "the final norm; that grouping is not modelled (not checked against a runtime): use --zero 0."
         )
     unchecked = {
         "--lora-r, --qlora": setup.lora or setup.quantize,

@@ -1,7 +1,7 @@
 """Expert parallelism in training (``--ep``): the busiest rank's step, traced with its experts and torchtitan's
-all-to-all token dispatcher on an assumed routing, alone and under DDP, against that dispatcher run for real with
-PyTorch's own ``all_to_all_single`` on a fake process group and the router forced to the same routing
-(tests/ep_runtime.py). Four layers and a vocabulary of 32 put the peak in the MoE layers."""
+all-to-all token dispatcher on an assumed routing, alone, under DDP and under torchtitan's FSDP2, against that
+dispatcher run for real with PyTorch's own ``all_to_all_single`` on a fake process group and the router forced to
+the same routing (tests/ep_runtime.py). Four layers and a vocabulary of 32 put the peak in the MoE layers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from ep_runtime import expert_parallel_peak, forced_routing
+from ep_runtime import expert_parallel_fsdp_step, expert_parallel_peak, forced_routing
 from tiny_models import deep_tiny_model
 
 from analysis.cli import EXIT_USER_ERROR, main
@@ -17,13 +17,14 @@ from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from tracer.errors import UserError
 from tracer.expert_parallel import Routing
-from tracer.graph import build_graph
+from tracer.graph import StepGraph, build_graph
 from tracer.modules import count_parameters
 from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 TOLERANCE = 0.01
-SETUP = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32)
+SHAPE = {"target": Target.CPU, "batch_size": 2, "seq_len": 32}
+SETUP = TrainingSetup(**SHAPE)
 
 
 def _estimate(model, setup: TrainingSetup, degree: int, imbalance: float, ddp: bool) -> int:
@@ -91,6 +92,63 @@ def test_expert_parallel_stamped_from_a_cut_model():
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
+def _fsdp_check(
+    family: str, gpus: int, degree: int, zero: int, setup: TrainingSetup = SETUP, imbalance: float = 1.0, rank: int = 0
+) -> tuple[StepGraph, StepGraph]:
+    """The rank's step under torchtitan's FSDP2 (``--zero 2/3``), estimated and run, their peaks compared."""
+    model = deep_tiny_model(family, 4, vocab_size=32)
+    runtime = expert_parallel_fsdp_step(model, setup, gpus, degree, imbalance, zero == 3, rank)
+    layout = Layout(gpus=gpus, ep=degree, zero=zero, routing_imbalance=imbalance)
+    prepared = prepare(layout, setup, model.config)
+    estimate = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank(dp=rank))
+    measured, estimated = (find_peak(timeline(s, rounded=False)).bytes for s in (runtime, estimate))
+    assert abs(estimated - measured) / measured <= TOLERANCE, (estimated, measured)
+    return estimate, runtime
+
+
+@pytest.mark.parametrize(
+    ("family", "gpus", "degree", "zero", "setup"),
+    [
+        # the experts' group of one GPU: no all-gather, each shard cast and copied; reduced through a temporary
+        ("qwen3_moe", 2, 2, 3, TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, mixed_precision="bf16")),
+        # 8 GPUs outnumber the 4 experts: Shard(1), with gpt-oss's biases; nothing resharded after forward
+        ("gpt_oss", 8, 2, 2, SETUP),
+        *(
+            pytest.param(family, gpus, degree, zero, SETUP, marks=pytest.mark.slow)
+            for family in ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "glm4_moe", "qwen3_next")
+            for gpus, degree, zero in ((2, 2, 3), (4, 2, 2), (8, 2, 3))
+        ),
+        *(
+            pytest.param("qwen3_moe", gpus, degree, zero, TrainingSetup(**SHAPE, **options), marks=pytest.mark.slow)
+            for gpus, degree, zero, options in (
+                (4, 2, 3, {"mixed_precision": "bf16"}),
+                (8, 4, 2, {"mixed_precision": "bf16"}),
+                (2, 2, 2, {"dtype": "bf16"}),
+                (4, 4, 3, {"dtype": "bf16"}),
+                (4, 2, 2, {"grad_checkpointing": "full"}),
+                (8, 2, 3, {"grad_checkpointing": "full", "mixed_precision": "bf16"}),
+            )
+        ),
+    ],
+)
+def test_expert_parallel_fsdp_matches_the_runtime(family, gpus, degree, zero, setup):
+    _fsdp_check(family, gpus, degree, zero, setup)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "gpus", "degree", "zero", "imbalance", "rank"),
+    [
+        ("qwen3_moe", 4, 2, 3, 2.0, 0),
+        ("qwen3_moe", 8, 4, 2, 2.0, 0),
+        ("qwen3_moe", 4, 2, 3, 1.5, 3),  # the second of its expert-parallel group, the last of the others
+        ("gpt_oss", 8, 2, 3, 1.0, 7),  # its attention sinks' 4 rows leave the last ranks empty shards
+    ],
+)
+def test_expert_parallel_fsdp_imbalanced_and_last_rank(family, gpus, degree, zero, imbalance, rank):
+    _fsdp_check(family, gpus, degree, zero, imbalance=imbalance, rank=rank)
+
+
 def test_routing_splits_add_up():
     """The busiest rank sends its tokens x top-k pairs and receives imbalance times as many; a forced routing of
     the reference gives that rank the same share."""
@@ -105,8 +163,10 @@ def test_routing_splits_add_up():
 @pytest.mark.parametrize(
     ("layout", "setup", "message"),
     [
-        (Layout(gpus=4, ep=4, zero=3), SETUP, "modelled with DDP over the dense parameters"),
-        (Layout(gpus=4, ep=2), SETUP, "must equal --gpus 4"),
+        (Layout(gpus=4, ep=4, zero=1), SETUP, "with DDP \\(--zero 0\\) or torchtitan's FSDP2"),
+        (Layout(gpus=4, ep=2), SETUP, "with DDP must equal --gpus 4"),
+        (Layout(gpus=6, ep=4, zero=3), SETUP, "--ep 4 must divide --gpus 6"),
+        (Layout(gpus=4, ep=2, zero=3), TrainingSetup(grad_accum=2), "--grad-accum"),
         (Layout(gpus=4, tp=2, ep=2), SETUP, "--tp or --pp in training"),
         (Layout(gpus=2, ep=2, routing_imbalance=3), SETUP, "from 1 \\(balanced\\) to 2"),
         (Layout(gpus=8, ep=8), SETUP, "--ep 8 must divide the 4 experts"),
@@ -117,6 +177,13 @@ def test_routing_splits_add_up():
 def test_expert_parallel_training_refusals(layout, setup, message):
     with pytest.raises(UserError, match=message):
         prepare(layout, setup, deep_tiny_model("qwen3_moe", 4).config)
+
+
+def test_expert_parallel_fsdp_refuses_tied_embeddings():
+    """torchtitan groups tied embeddings with the final norm in one unit, which is not modelled."""
+    config = deep_tiny_model("qwen3_moe", 4, tie_word_embeddings=True).config
+    with pytest.raises(UserError, match="tied input and output embeddings"):
+        prepare(Layout(gpus=4, ep=2, zero=3), SETUP, config)
 
 
 def test_routing_imbalance_needs_expert_parallelism():
@@ -138,3 +205,6 @@ def test_command_line_reports_the_routing(tmp_path, capsys):
     assert "receives 2 times its share" in report["setup"]["expert_routing"]
     assert main([*flags, "--routing-imbalance", "3"]) == EXIT_USER_ERROR
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --routing-imbalance must be from 1")
+    many = [*flags[:-4], "--gpus", "256", "--ep", "2", "--zero", "2", "--quiet"]  # 128 GPUs share 2 experts
+    assert main(many) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --ep 2 over --gpus 256: the 128 GPUs")
