@@ -4,11 +4,33 @@ so that the step time sums what each runtime issues instead of re-deriving it.""
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 from collections.abc import Container
 
-from tracer.graph import ALL_GATHER, DATA_PARALLEL, REDUCE_SCATTER, Collective, StepGraph
+from tracer.expert_parallel import ALL_TO_ALL_SINGLE
+from tracer.graph import (
+    ALL_GATHER,
+    ALL_TO_ALL,
+    DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    REDUCE_SCATTER,
+    Collective,
+    StepGraph,
+)
 from tracer.roles import Phase, Role
 from tracer.trace import element_size as element_size_of
+
+# The all_to_all_single exchanges of one MoE layer's token dispatcher (tracer/expert_parallel.py), in the order
+# they run: in its forward (again where checkpointing recomputes it) and in its backward.
+FORWARD_EXCHANGES = (
+    "token counts per expert (dispatch)",
+    "routed tokens to their experts' GPUs (dispatch)",
+    "expert outputs back to their tokens' GPUs (combine)",
+)
+BACKWARD_EXCHANGES = (
+    "gradients of the expert outputs back to the experts' GPUs (combine's backward)",
+    "gradients of the routed tokens back to their GPUs (dispatch's backward)",
+)
 
 
 def parameter_bytes(step: StepGraph, names: Container[str] | None = None) -> int:
@@ -69,4 +91,25 @@ def sharded_data_parallel(step: StepGraph, reshard_after_forward: bool, reduce_b
             True,
             "gradients after each unit's backward",
         ),
+    ]
+
+
+def token_exchanges(step: StepGraph) -> list[Collective]:
+    """Expert parallelism's all-to-all exchanges in a traced step, each the bytes this rank sends (the first input
+    of the traced ``all_to_all_single``), summed over the MoE layers per exchange and phase. Each blocks the
+    compute that needs its rows (torchtitan's dispatcher runs them on the compute stream, the counts' read back
+    to the host), so none is overlapped."""
+    sent: dict[tuple[str, Phase], int] = {}
+    runs: dict[tuple[str, bool], int] = defaultdict(int)  # exchanges seen per MoE layer, forward and backward
+    for op in step.ops:
+        if op.target != ALL_TO_ALL_SINGLE:
+            continue
+        names = FORWARD_EXCHANGES if op.runs_forward else BACKWARD_EXCHANGES
+        name = names[runs[op.module, op.runs_forward] % len(names)]
+        runs[op.module, op.runs_forward] += 1
+        key = (f"{name}, recomputed" if op.recompute else name, op.phase)
+        sent[key] = sent.get(key, 0) + step.storages[op.inputs[0]].nbytes
+    return [
+        Collective(ALL_TO_ALL, EXPERT_PARALLEL, nbytes, phase, True, False, what)
+        for (what, phase), nbytes in sent.items()
     ]

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from strategies.collectives import recorded, token_exchanges
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
@@ -272,11 +273,14 @@ class PreparedLayout:
 
     def model_parallel_step(self, step: StepGraph, rank: Rank) -> StepGraph:
         """The pipeline stage and tensor-parallel slice of ``rank``: what layouts splitting the model alike share,
-        whatever their data parallelism (``model_parallel_key``)."""
+        whatever their data parallelism (``model_parallel_key``); with expert parallelism in training, the traced
+        step's token exchanges recorded as the rank's all-to-all collectives (they grow with the batch)."""
         if self.pipeline is not None:
             step = self.pipeline.apply(step, rank.pp)
         if self.tensor is not None:
             step = self.tensor.apply(step, self.setup, rank.tp)
+        if self.traced.expert_parallel > 1 and self.setup.mode == "train":
+            step = recorded(step, *token_exchanges(step))
         return step
 
     def model_parallel_key(self, rank: Rank) -> tuple:

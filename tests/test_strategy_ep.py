@@ -16,9 +16,10 @@ from analysis.cli import EXIT_USER_ERROR, main
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from tracer.errors import UserError
-from tracer.expert_parallel import Routing
-from tracer.graph import StepGraph, build_graph
+from tracer.expert_parallel import ALL_TO_ALL_SINGLE, Routing
+from tracer.graph import ALL_TO_ALL, EXPERT_PARALLEL, StepGraph, build_graph
 from tracer.modules import count_parameters
+from tracer.roles import Phase
 from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
@@ -147,6 +148,22 @@ def test_expert_parallel_fsdp_matches_the_runtime(family, gpus, degree, zero, se
 )
 def test_expert_parallel_fsdp_imbalanced_and_last_rank(family, gpus, degree, zero, imbalance, rank):
     _fsdp_check(family, gpus, degree, zero, imbalance=imbalance, rank=rank)
+
+
+def test_expert_parallel_records_the_runtimes_exchanges():
+    """The all-to-all collectives recorded on the rank's step send, per phase, what the runtime's
+    ``all_to_all_single`` calls were given (checkpointing runs the forward's again in backward)."""
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, grad_checkpointing="full")
+    estimate, runtime = _fsdp_check("qwen3_moe", 4, 2, 3, setup, imbalance=1.5)
+    exchanges = [c for c in estimate.collectives if c.kind == ALL_TO_ALL]
+    assert {c.group for c in exchanges} == {EXPERT_PARALLEL} and len(exchanges) == 8
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
+        sent = [
+            runtime.storages[op.inputs[0]].nbytes
+            for op in runtime.ops
+            if op.target == ALL_TO_ALL_SINGLE and op.phase is phase
+        ]
+        assert sum(c.nbytes for c in exchanges if c.phase is phase) == sum(sent) > 0
 
 
 def test_routing_splits_add_up():

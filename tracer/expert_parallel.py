@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed._functional_collectives  # registers the fake kernels of its ops
 from torch import nn
 from transformers.integrations.moe import _grouped_linear
 
@@ -125,19 +126,31 @@ class TokenExchange(Protocol):
 
 @dataclass(frozen=True)
 class AssumedExchange:
-    """The exchange on fake tensors: the collectives allocate what their functional ops allocate (an output of the
-    received rows; in backward, of the rows sent), and the split sizes come from ``routing``."""
+    """The exchange on fake tensors: the collectives are PyTorch's functional ``all_to_all_single`` (its fake kernel
+    allocates the output of the rows received; in backward, of the rows sent), so the trace records each as the op
+    it is (:data:`ALL_TO_ALL_SINGLE`, what strategies read the exchanged bytes from); the split sizes come from
+    ``routing``."""
 
     routing: Routing
 
     def counts(self, sent: torch.Tensor) -> torch.Tensor:
-        return sent.new_empty(sent.shape)
+        return _all_to_all_single(sent, sent.shape[0], sent.shape[0])
 
     def split_sizes(self, sent: torch.Tensor, received: torch.Tensor, tokens: int) -> tuple[list[int], list[int]]:
         return self.routing.splits(tokens)
 
     def rows(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
         return _AllToAll.apply(rows, sum(output_splits), sum(input_splits))
+
+
+# The op of every exchange in a traced step: ``torch.ops._c10d_functional.all_to_all_single`` (group name aside, what
+# ``_functional_collectives.all_to_all_single`` runs), its first input the rows a rank sends, its own included.
+ALL_TO_ALL_SINGLE = "_c10d_functional.all_to_all_single.default"
+
+
+def _all_to_all_single(tensor: torch.Tensor, received: int, sent: int) -> torch.Tensor:
+    """The functional collective on a fake tensor (its registered fake kernel; the group is never looked up)."""
+    return torch.ops._c10d_functional.all_to_all_single(tensor, [received], [sent], "expert_parallel")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -147,13 +160,12 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, received: int, sent: int) -> torch.Tensor:
-        ctx.sent = sent
-        return rows.new_empty((received, *rows.shape[1:]))
+        ctx.sent, ctx.received = sent, received
+        return _all_to_all_single(rows, received, sent)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        return grad.new_empty((ctx.sent, *grad.shape[1:])), None, None
+        return _all_to_all_single(grad.contiguous(), ctx.sent, ctx.received), None, None
 
 
 def shard_experts(model: nn.Module, degree: int, rank: int = 0, exchange: TokenExchange | None = None) -> None:

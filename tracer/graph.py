@@ -67,17 +67,21 @@ class Transfer:
 ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
+ALL_TO_ALL = "all-to-all"
 DATA_PARALLEL = "data parallel"
 TENSOR_PARALLEL = "tensor parallel"
+EXPERT_PARALLEL = "expert parallel"
 
 
 @dataclass(frozen=True)
 class Collective:
     """A collective a strategy's runtime issues in one step. ``nbytes`` is the whole tensor the group reduces
-    or gathers (each rank moves a ring fraction of it); the step time sums these records."""
+    or gathers (each rank moves a ring fraction of it); for ALL_TO_ALL, the rows this rank sends, its share for
+    itself included (the rank receives as many from the others where the routing is balanced). The step time sums
+    these records."""
 
-    kind: str  # ALL_REDUCE, ALL_GATHER or REDUCE_SCATTER
-    group: str  # DATA_PARALLEL or TENSOR_PARALLEL
+    kind: str  # ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER or ALL_TO_ALL
+    group: str  # DATA_PARALLEL, TENSOR_PARALLEL or EXPERT_PARALLEL
     nbytes: int
     phase: Phase
     every_micro_step: bool  # False: once per optimizer step (DDP reduces only in the last micro-step's backward)
