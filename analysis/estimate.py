@@ -135,8 +135,10 @@ class LayoutEstimate:
     and 3 give a line, and the data-parallel runtime, which changes nothing the batch flows through, rewrites
     the step once."""
 
-    def __init__(self, model_id: str, prepared: PreparedLayout, source: StepSource) -> None:
-        self.model_id, self.prepared, self.source = model_id, prepared, source
+    def __init__(self, model_id: str, prepared: PreparedLayout, source: StepSource, dominant: bool = False) -> None:
+        """``dominant``: only the ranks no other holds more than (a pipeline's dominant stages), for a search that
+        reads the busiest rank."""
+        self.model_id, self.prepared, self.source, self.dominant = model_id, prepared, source, dominant
         self._parts: dict[Rank, tuple[StepGraph, BatchLine] | None] = {}
         self._peak_lines: dict[Rank, PeakLine] = {}
         self._results: dict[int, StepResult] = {}
@@ -149,7 +151,7 @@ class LayoutEstimate:
 
     @cached_property
     def ranks(self) -> list[Rank]:
-        return self.prepared.ranks(self.source.traced_step(self.source.some_batch()))
+        return self.prepared.ranks(self.source.traced_step(self.source.some_batch()), self.dominant)
 
     def rank_step(self, rank: Rank, batch: int) -> StepGraph:
         if self.source.lines and batch >= 2 and self.source.line() is not None:

@@ -23,7 +23,7 @@ from analysis.estimate import LayoutEstimate, StepSource
 from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
-from strategies.layout import Layout, Rank, prepare
+from strategies.layout import Layout, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.resolve import Model
@@ -145,12 +145,12 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
 
 def _pipeline_layouts(gpus: int, tp: int, layers: int) -> list[Layout]:
     """Pipelines of 1F1B stages (GPipe holds more for the same bubble) of up to ``MAX_PIPELINE_STAGES`` stages
-    dividing the GPUs left by tensor parallelism, each stage replicated or sharded as torchtitan shards it
-    (FSDP2 without resharding after forward); their microbatches are chosen by the search."""
+    dividing the GPUs left by tensor parallelism, each stage sharded as torchtitan shards it (FSDP2 without
+    resharding after forward) over its data-parallel GPUs; their microbatches are chosen by the search."""
     layouts = []
     for pp in (p for p in range(2, min(gpus // tp, layers, MAX_PIPELINE_STAGES) + 1) if gpus // tp % p == 0):
         dp = gpus // (tp * pp)
-        zeros = (0,) if dp == 1 else (0, 2)
+        zeros = (0,) if dp == 1 else (2,)
         layouts += [Layout(gpus=gpus, tp=tp, pp=pp, microbatches=pp, zero=zero) for zero in zeros]
     return layouts
 
@@ -270,7 +270,7 @@ class _Search:
         key = dataclasses.replace(traced, batch_size=1, grad_accum=traced_micro_steps(traced))
         if key not in self.sources:
             self.sources[key] = StepSource(self.model, key, lines=True)
-        return LayoutEstimate(self.model.model_id, prepared, self.sources[key])
+        return LayoutEstimate(self.model.model_id, prepared, self.sources[key], dominant=True)
 
 
 @contextmanager
@@ -384,7 +384,9 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
         if micro == 0:
             outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
             continue
-        stages = [steps.rank_step(Rank(pp=stage), micro) for stage in range(layout.pp)]
+        traced = {rank.pp: steps.rank_step(rank, micro) for rank in steps.ranks}
+        # a stage not searched stands behind stage 1, which runs as many layers or more
+        stages = [traced.get(stage, traced.get(1)) for stage in range(layout.pp)]
         time = pipeline_step_time(stages, steps.prepared.layout, search.cluster, search.compute_dtype)
         tokens_per_second = micro * microbatches * layout.dp * search.setup.seq_len / time.total_s
         if tokens_per_second > outcome.tokens_per_second:

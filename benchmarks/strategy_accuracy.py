@@ -113,6 +113,20 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
     ):
         for stage in range(layout.pp):
             found.append(("llama", layout, Rank(pp=stage), BACKWARD_PEAK, options))
+    context = {"num_hidden_layers": 4, "vocab_size": 32}  # the ring's buffers in the layers
+    for layout, options in (  # the first rank, the busiest, against torch's ring attention (tests/cp_runtime.py)
+        (Layout(gpus=2, cp=2), {}),
+        (Layout(gpus=4, cp=4), {}),
+        (Layout(gpus=2, cp=2), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, cp=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=2, cp=2, zero=3), {}),
+        (Layout(gpus=4, cp=2, zero=2), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, cp=4, zero=3), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, cp=2), {}),
+        (Layout(gpus=4, cp=2), {"grad_checkpointing": "full"}),
+        (Layout(gpus=4, cp=2, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "full"}),
+    ):
+        found.append(("llama", layout, Rank(), context, options))
     titan_adapters = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
     for layout, overrides, options in (
         (Layout(gpus=4, zero=3), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),

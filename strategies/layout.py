@@ -259,9 +259,13 @@ class PreparedLayout:
     pipeline: PipelineParallel | None = None
     assumptions: dict[str, str] = field(default_factory=dict)  # what the runtimes assume, for the report
 
-    def ranks(self, step: StepGraph) -> list[Rank]:
-        """Ranks whose memory can differ, from the traced step."""
-        stages = range(self.pipeline.stages) if self.pipeline else [0]
+    def ranks(self, step: StepGraph, dominant: bool = False) -> list[Rank]:
+        """Ranks whose memory can differ, from the traced step; with ``dominant``, only the pipeline stages no other
+        holds more than (the planner's search, which reads the busiest)."""
+        if self.pipeline is None:
+            stages = [0]
+        else:
+            stages = self.pipeline.dominant_stages(step) if dominant else range(self.pipeline.stages)
         tensor = self.tensor.distinct_ranks(step) if self.tensor else [0]
         data = self.data.distinct_ranks(step) if self.data else [0]
         return [Rank(dp=d, tp=t, pp=p) for p in stages for d in data for t in tensor]

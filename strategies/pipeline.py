@@ -95,6 +95,15 @@ class PipelineParallel:
     microbatches: int
     split: tuple[int, ...] | None = None  # decoder layers per stage; None: even
 
+    def dominant_stages(self, step: StepGraph) -> list[int]:
+        """Stages no other stage holds more than: all of them, but for 1F1B over an even split of decoder layers
+        that run alike after the first, where stage 1 holds at least what every later stage but the last does (as
+        many layers or more, one more microbatch in flight, the same buffers), so the first, the second and the
+        last stand for all."""
+        if self.schedule != "1f1b" or self.split is not None or not _alike_after_the_first(step):
+            return list(range(self.stages))
+        return sorted({0, min(1, self.stages - 1), self.stages - 1})
+
     @property
     def note(self) -> str:
         split = (
@@ -138,6 +147,18 @@ class PipelineParallel:
     def apply(self, step: StepGraph, stage: int) -> StepGraph:
         self._check_layers(len(step.structure.blocks))
         return pipeline_stage(step, PipelinePlan(self.stages, stage, self.schedule, self.microbatches, self.split))
+
+
+def _alike_after_the_first(step: StepGraph) -> bool:
+    """Whether every decoder layer after the first runs the same ops (their kinds: attention, MLP or experts)."""
+    blocks = step.structure.blocks
+    runs: dict[str, list[str]] = defaultdict(list)
+    for op in step.ops:
+        if op.phase is Phase.FORWARD:
+            block = enclosing_block(op.module, blocks)
+            if block is not None:
+                runs[block].append(op.target)
+    return len({tuple(runs[block]) for block in blocks[1:]}) <= 1
 
 
 def pipeline_stage(step: StepGraph, plan: PipelinePlan) -> StepGraph:

@@ -261,3 +261,17 @@ def test_pipeline_layouts_are_planned_with_their_bubble():
     none = plan(model, SETUP, 4, Cluster(gpu), budget, offload=False, pipeline="auto")
     assert all(o.candidate.layout.pp == 1 for o in none.outcomes)
     assert any("pipeline parallelism" in reason for reason in none.skipped)
+
+
+@pytest.mark.parametrize("layout", [Layout(gpus=4, pp=4, microbatches=8), Layout(gpus=8, pp=4, zero=2, microbatches=4)])
+def test_the_dominant_stages_hold_the_busiest(layout):
+    """The planner reads 1F1B's first, second and last stages of alike layers: every stage's report (analyze's)
+    peaks no higher than theirs."""
+    model = tiny_model("llama", num_hidden_layers=8)
+    setup = dataclasses.replace(SETUP, batch_size=2)
+    prepared = prepare(layout, setup, model.config)
+    dominant = LayoutEstimate(model.model_id, prepared, StepSource(model, prepared.traced), dominant=True)
+    assert [rank.pp for rank in dominant.ranks] == [0, 1, 3]
+    every = analyze(model, setup, layout)
+    assert dominant.evaluate(2).report.peak_bytes == every.peak_bytes
+    assert len(every.ranks) == 4
