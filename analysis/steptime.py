@@ -19,7 +19,19 @@ from dataclasses import dataclass
 from strategies.layout import Layout
 from strategies.pipeline import BACKWARD, FORWARD, RECEIVE_BUFFER, schedule_actions
 from tracer.gpus import PCIE_4_X16_GBPS, Gpu
-from tracer.graph import ALL_GATHER, ALL_REDUCE, DATA_PARALLEL, REDUCE_SCATTER, TENSOR_PARALLEL, Collective, StepGraph
+from tracer.graph import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    CONTEXT_PARALLEL,
+    DATA_PARALLEL,
+    EXPERT_PARALLEL,
+    REDUCE_SCATTER,
+    RING_PASS,
+    TENSOR_PARALLEL,
+    Collective,
+    StepGraph,
+)
 from tracer.roles import Phase
 from tracer.trace import Op
 
@@ -85,9 +97,9 @@ def step_time(step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: 
     phases = _phase_seconds(step, passes, gpu, compute_dtype, micro_steps)
     forward = phases[Phase.FORWARD] / layout.tp / micro_steps
     backward = phases[Phase.BACKWARD] / layout.tp / micro_steps
-    optimizer = phases[Phase.OPTIMIZER] / layout.tp / (layout.dp if layout.zero else 1)
+    optimizer = phases[Phase.OPTIMIZER] / layout.tp / (layout.replicas if layout.zero else 1)
     if layout.offload:
-        optimizer = _optimizer_bytes(step) / layout.tp / layout.dp / (cluster.host_optimizer_gbps * 1e9)
+        optimizer = _optimizer_bytes(step) / layout.tp / layout.replicas / (cluster.host_optimizer_gbps * 1e9)
 
     # Seconds of the collectives that overlap forward or backward, every micro-step or only the last one's
     # (DDP reduces under no_sync until then), and of those the step waits for.
@@ -127,7 +139,7 @@ def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster
     The optimizer steps and the data-parallel reductions follow the last backward (FSDP2 and DDP reduce a
     pipeline stage's gradients once per step), the busiest stage's counting."""
     gpu = cluster.gpu
-    link = cluster.group_bytes_per_second(layout.pp, layout.dp * layout.tp)
+    link = cluster.group_bytes_per_second(layout.pp, layout.replicas * layout.tp)
     durations: list[dict[tuple[str, int], float]] = []
     sends: list[float] = []
     for step in stages:
@@ -147,7 +159,7 @@ def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster
     optimizer = max(
         _ops_seconds([op for op in step.ops if op.phase is Phase.OPTIMIZER], gpu, compute_dtype) for step in stages
     )
-    optimizer /= layout.tp * (layout.dp if layout.zero else 1)
+    optimizer /= layout.tp * (layout.replicas if layout.zero else 1)
     data_parallel = max(
         sum(_collective_seconds(c, layout, cluster) for c in step.collectives if c.group == DATA_PARALLEL)
         for step in stages
@@ -198,11 +210,20 @@ BUS_FACTORS = {
     ALL_REDUCE: lambda n: 2 * (n - 1) / n,
     ALL_GATHER: lambda n: (n - 1) / n,
     REDUCE_SCATTER: lambda n: (n - 1) / n,
+    ALL_TO_ALL: lambda n: (n - 1) / n,  # of the bytes a rank sends, its own share stays
+    RING_PASS: lambda n: 1.0,  # all of them, to the next rank
 }
 
 
 def _collective_seconds(collective: Collective, layout: Layout, cluster: Cluster) -> float:
-    size, stride = (layout.tp, 1) if collective.group == TENSOR_PARALLEL else (layout.dp, layout.tp)
+    """Each group as torchtitan's device mesh lays it out (pp, dp, cp, tp from the outermost): tensor parallelism
+    adjacent GPUs, context and expert parallelism next, the data-parallel replicas (with the context-parallel
+    ranks, which reduce their gradients together) outermost."""
+    size, stride = {
+        TENSOR_PARALLEL: (layout.tp, 1),
+        CONTEXT_PARALLEL: (layout.cp, layout.tp),
+        EXPERT_PARALLEL: (layout.ep, layout.tp),
+    }.get(collective.group, (layout.replicas, layout.tp))
     return BUS_FACTORS[collective.kind](size) * collective.nbytes / cluster.group_bytes_per_second(size, stride)
 
 

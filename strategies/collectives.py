@@ -11,9 +11,11 @@ from tracer.expert_parallel import ALL_TO_ALL_SINGLE
 from tracer.graph import (
     ALL_GATHER,
     ALL_TO_ALL,
+    CONTEXT_PARALLEL,
     DATA_PARALLEL,
     EXPERT_PARALLEL,
     REDUCE_SCATTER,
+    RING_PASS,
     Collective,
     StepGraph,
 )
@@ -112,4 +114,32 @@ def token_exchanges(step: StepGraph) -> list[Collective]:
     return [
         Collective(ALL_TO_ALL, EXPERT_PARALLEL, nbytes, phase, True, False, what)
         for (what, phase), nbytes in sent.items()
+    ]
+
+
+RING_GATHER = "_c10d_functional.all_gather_into_tensor.default"  # tracer/context_parallel.py's key/value gather
+RING_PERMUTE = "_c10d_functional.all_to_all_single.default"  # its key/value gradients passed to the next rank
+
+
+def ring_exchanges(step: StepGraph) -> list[Collective]:
+    """Context parallelism's exchanges in a traced step, per phase summed over the layers: the keys and values
+    all-gathered once per attention (forward, recomputation and backward: the gathered tensor), and in backward
+    their gradients passed around the ring once per block (the bytes each rank sends). torch issues them on the
+    compute stream and waits for each before the blocks that read it, so none is overlapped."""
+    gathered: dict[Phase, int] = defaultdict(int)
+    passed: dict[Phase, int] = defaultdict(int)
+    for op in step.ops:
+        if op.target == RING_GATHER:
+            gathered[op.phase] += step.storages[op.outputs[0]].nbytes
+        elif op.target == RING_PERMUTE:
+            passed[op.phase] += step.storages[op.inputs[0]].nbytes
+    return [
+        *(
+            Collective(ALL_GATHER, CONTEXT_PARALLEL, nbytes, phase, True, False, "keys and values of every attention")
+            for phase, nbytes in gathered.items()
+        ),
+        *(
+            Collective(RING_PASS, CONTEXT_PARALLEL, nbytes, phase, True, False, "key and value gradients, every block")
+            for phase, nbytes in passed.items()
+        ),
     ]

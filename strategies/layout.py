@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from strategies.collectives import recorded, token_exchanges
+from strategies.collectives import recorded, ring_exchanges, token_exchanges
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
@@ -285,6 +285,8 @@ class PreparedLayout:
             step = self.tensor.apply(step, self.setup, rank.tp)
         if self.traced.expert_parallel > 1 and self.setup.mode == "train":
             step = recorded(step, *token_exchanges(step))
+        if self.traced.context_parallel > 1:
+            step = recorded(step, *ring_exchanges(step))
         return step
 
     def model_parallel_key(self, rank: Rank) -> tuple:

@@ -68,9 +68,11 @@ ALL_REDUCE = "all-reduce"
 ALL_GATHER = "all-gather"
 REDUCE_SCATTER = "reduce-scatter"
 ALL_TO_ALL = "all-to-all"
+RING_PASS = "ring pass"  # each rank sends its buffer to the next: context parallelism's key/value gradients
 DATA_PARALLEL = "data parallel"
 TENSOR_PARALLEL = "tensor parallel"
 EXPERT_PARALLEL = "expert parallel"
+CONTEXT_PARALLEL = "context parallel"
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,8 @@ class Collective:
     itself included (the rank receives as many from the others where the routing is balanced). The step time sums
     these records."""
 
-    kind: str  # ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER or ALL_TO_ALL
-    group: str  # DATA_PARALLEL, TENSOR_PARALLEL or EXPERT_PARALLEL
+    kind: str  # ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL or RING_PASS
+    group: str  # DATA_PARALLEL, TENSOR_PARALLEL, EXPERT_PARALLEL or CONTEXT_PARALLEL
     nbytes: int
     phase: Phase
     every_micro_step: bool  # False: once per optimizer step (DDP reduces only in the last micro-step's backward)
