@@ -13,6 +13,7 @@ from analysis.estimate import StepResult, busiest, rank_estimate
 from strategies.layout import Layout, Rank
 from tracer.errors import UserError
 from tracer.graph import build_graph
+from tracer.published import counted_as_published, quant_method
 from tracer.resolve import Model, as_model
 from tracer.trace import Trace
 from tracer.tracing import Progress, trace_step
@@ -41,6 +42,7 @@ def estimate_device_map(model: str | Model, setup: TrainingSetup, progress: Prog
     device_map = setup.device_map
     if device_map is None or setup.mode != "inference":
         raise UserError("A device map places a model for generation: give --mode inference --device-map auto.")
+    _refuse_quantized(model, setup)
     trace = trace_step(model, setup, progress, every_gpu=True)
     layout = DeviceMapLayout(gpus=device_map.gpus, pp=device_map.gpus, strategy=device_map.strategy)
     estimates = []
@@ -51,6 +53,20 @@ def estimate_device_map(model: str | Model, setup: TrainingSetup, progress: Prog
         step = build_graph(on_device)
         estimates.append(rank_estimate(model.model_id, setup, layout, on_device, Rank(pp=device), step))
     return busiest(estimates, layout)
+
+
+def _refuse_quantized(model: Model, setup: TrainingSetup) -> None:
+    """Quantized weights change how from_pretrained sizes modules and GPUs for the placement (its quantizer's
+    ``param_element_size`` and ``adjust_max_memory``), which is not modelled."""
+    config = getattr(model, "config", None)
+    published = counted_as_published(config, setup)
+    if setup.quantize or published:
+        what = "--quantize" if setup.quantize else f"the checkpoint's {quant_method(config)} weights"
+        fix = "drop --quantize" if setup.quantize else "add --dequantize"
+        raise UserError(
+            f"--device-map with {what} is not modelled: transformers' quantizer sizes the modules it places "
+            f"(param_element_size, adjust_max_memory); {fix}, or use --tp."
+        )
 
 
 def gpu_trace(trace: Trace, device: int) -> Trace:

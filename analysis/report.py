@@ -108,7 +108,13 @@ class MemoryReport:
             "largest_at_peak": self.largest_at_peak,
             "parameter_count": self.parameter_count,
             "trainable_parameter_count": self.trainable_parameter_count,
-        } | ({"host_peak_bytes": self.host_peak_bytes, "pcie": self.pcie()} if self.layout.offload else {})
+        } | (
+            {"host_peak_bytes": self.host_peak_bytes, "pcie": self.pcie()}
+            if self.layout.offload
+            else {"host_peak_bytes": self.host_peak_bytes}
+            if self.setup.mode == "inference" and self.host_peak_bytes
+            else {}
+        )
 
 
 def build_report(
@@ -277,6 +283,8 @@ def render_text(report: MemoryReport, verdict: str | None = None) -> str:
         lines.append(tabulate(rows, headers=["memory", "tensors", "category", "made by", "where"], colalign=("right",)))
     if report.layout.offload:
         lines += ["", *_offload_lines(report)]
+    elif report.setup.mode == "inference" and report.host_peak_bytes:  # an offloaded cache's layers
+        lines += ["", f"Host memory for what generate() offloads: {format_bytes(report.host_peak_bytes)}"]
     lines += ["", "Assumptions:"]
     assumed = report.to_json()["setup"]
     if assumed.get("optimizer_impl", "") is None:  # torch's choice, which optimizer_implementation names

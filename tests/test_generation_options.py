@@ -49,7 +49,9 @@ def _against_generate(model, setup: TrainingSetup, reference=measure):
     [Sampling(), pytest.param(Sampling(temperature=0.7, top_k=0, top_p=0.9), marks=pytest.mark.slow)],
     ids=["defaults", "temperature-top-p"],
 )
-@pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODING], ids=["prefill-peak", "decode-peak"])
+@pytest.mark.parametrize(
+    "shape", [pytest.param(PREFILL_PEAK, marks=pytest.mark.slow), DECODING], ids=["prefill-peak", "decoding"]
+)
 def test_sampling_matches_generate(sampling, shape):
     """generate(do_sample=True): the warpers' batch x vocabulary float32 tensors, the softmax and the sampled
     tokens, held from one iteration to the next as ``_sample`` holds them, put the decode step's peak in the
@@ -77,7 +79,7 @@ def test_multinomial_allocates_its_exponential_sample():
 @pytest.mark.parametrize(
     ("family", "dtype", "shape"),
     [
-        ("llama", "fp32", PREFILL_PEAK),
+        pytest.param("llama", "fp32", PREFILL_PEAK, marks=pytest.mark.slow),
         ("llama", "fp32", DECODING),
         pytest.param("llama", "bf16", DECODING, marks=pytest.mark.slow),
         pytest.param("gpt2", "fp32", DECODING, marks=pytest.mark.slow),
@@ -98,7 +100,7 @@ def test_fp8_quantized_cache_matches_generate(family, dtype, shape):
 @pytest.mark.parametrize(
     ("cache", "shape"),
     [
-        ("offloaded", PREFILL_PEAK),
+        pytest.param("offloaded", PREFILL_PEAK, marks=pytest.mark.slow),
         ("offloaded", DECODING),
         ("offloaded_static", DECODING),
         pytest.param("offloaded_static", PREFILL_PEAK, marks=pytest.mark.slow),
@@ -134,9 +136,13 @@ def test_generation_options_refused(options, message):
         _inference(**options)
 
 
-def test_quantized_cache_refuses_sliding_window_models():
+def test_caches_transformers_refuses_for_sliding_window_models():
+    """QuantizedCache takes full-attention layers only; StaticCache(offloading=True) offloads only those, and its
+    first prefetch finds none."""
     with pytest.raises(UserError, match="only full attention"):
         analyze(tiny_model("mistral"), _inference(cache="quantized", cache_backend="fp8"))
+    with pytest.raises(UserError, match="has none"):
+        analyze(tiny_model("mistral"), _inference(cache="offloaded_static"))
 
 
 def test_offloaded_cache_is_not_measured_on_a_cpu():

@@ -61,7 +61,7 @@ def place_modules(model: nn.Module, device_map: DeviceMap, free_bytes: int) -> d
         raise UserError(
             f"The model does not fit {device_map.gpus} GPUs of {format_bytes(free_bytes)} free each: accelerate would "
             f"offload {', '.join(offloaded[:3])}{' ...' if len(offloaded) > 3 else ''} to the host, which is not "
-            "modelled. Use more GPUs, larger ones (--gpu), or quantized weights."
+            "modelled. Use more GPUs, larger ones (--gpu), or tensor parallelism (--tp)."
         )
     return dict(placed)
 

@@ -109,7 +109,10 @@ class InferenceStep:
         offloading = setup.cache.startswith("offloaded")
         if setup.cache in ("static", "offloaded_static"):  # sized to max_length - 1
             length = setup.seq_len + setup.max_new_tokens - 1
-            return StaticCache(config=config, max_cache_len=length, offloading=offloading)
+            cache = StaticCache(config=config, max_cache_len=length, offloading=offloading)
+            if offloading:
+                _offloads_a_layer(cache)
+            return cache
         if setup.cache == "quantized":
             try:
                 return QuantizedCache(backend=setup.cache_backend, config=config)
@@ -158,6 +161,18 @@ def _described(processor) -> str:
     """A logits processor by its class and settings, e.g. ``TopKLogitsWarper(top_k=50)``."""
     settings = {name: value for name, value in vars(processor).items() if isinstance(value, int | float)}
     return f"{type(processor).__name__}({', '.join(f'{name}={value:g}' for name, value in settings.items())})"
+
+
+def _offloads_a_layer(cache) -> None:
+    """StaticCache(offloading=True) offloads only full-attention layers; with none, its first prefetch fails to find
+    one (``Cache.prefetch``: ValueError), as generate() would."""
+    try:
+        cache.prefetch(0, cache.only_non_sliding)  # nothing to move before the first update
+    except ValueError:
+        raise UserError(
+            "--cache offloaded_static offloads the full-attention layers only, and this model has none (every layer "
+            "slides a window): transformers' own prefetch fails on it. Use --cache offloaded or static."
+        ) from None
 
 
 def generation_config(model: nn.Module, setup: TrainingSetup) -> GenerationConfig:
