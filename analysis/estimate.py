@@ -185,7 +185,7 @@ class LayoutEstimate:
 
     def _model_parallel_line(self, rank: Rank) -> BatchLine | None:
         prepared = self.prepared
-        if prepared.pipeline is None and prepared.tensor is None:
+        if not prepared.splits_the_model:
             return self.source.line()
 
         def build() -> BatchLine | None:

@@ -35,6 +35,10 @@ MAX_MICRO_BATCH = 1024
 # Pipelines the search tries: up to 8 stages, with at most twice as many microbatches as stages (a 1F1B bubble of
 # (P - 1) / (3P - 1) at most that; each stage's step holds every microbatch's passes, so more cost more to search).
 MAX_PIPELINE_STAGES = 8
+# Sequences from this long are also split by context parallelism, over up to 8 GPUs (its ring's exchanges stay in
+# a node); shorter ones fit a GPU's activations without it.
+CONTEXT_PARALLEL_FROM = 16_384
+MAX_CONTEXT_PARALLEL = 8
 MICROBATCHES_PER_STAGE = 2
 T = TypeVar("T")
 
@@ -113,6 +117,8 @@ def candidates(
         layouts += _data_parallel_layouts(gpus, tp, offload)
         if with_pipeline and layers is not None:
             layouts += _pipeline_layouts(gpus, tp, layers)
+    if setup.seq_len >= CONTEXT_PARALLEL_FROM:
+        layouts += _context_parallel_layouts(gpus, setup.seq_len)
     checkpointing = (setup.grad_checkpointing,) if setup.grad_checkpointing else (None, "full")
     chosen = []
     for layout in layouts:
@@ -123,6 +129,13 @@ def candidates(
             continue
         chosen += [Candidate(layout, mode) for mode in checkpointing]
     return chosen, skipped
+
+
+def _context_parallel_layouts(gpus: int, seq_len: int) -> list[Layout]:
+    """Long sequences split over 2 to 8 GPUs by torch's context_parallel, the parameters sharded over all of them
+    (FSDP2, as torchtitan shards over its dp_shard x cp mesh)."""
+    degrees = (c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0)
+    return [Layout(gpus=gpus, cp=cp, zero=3) for cp in degrees]
 
 
 def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:

@@ -289,6 +289,13 @@ class PreparedLayout:
             step = recorded(step, *ring_exchanges(step))
         return step
 
+    @property
+    def splits_the_model(self) -> bool:
+        """Whether a rank's model-parallel step differs from the traced one (a stage, a slice, or the exchanges of
+        expert or context parallelism recorded)."""
+        traced = self.traced
+        return bool(self.pipeline or self.tensor or traced.expert_parallel > 1 or traced.context_parallel > 1)
+
     def model_parallel_key(self, rank: Rank) -> tuple:
         return (
             self.pipeline,
