@@ -156,7 +156,7 @@ class _Copies(TorchFunctionMode):
                 if self.recorder.device_of(tensor) == device and self.recorder.on_device(tensor):
                     return tensor.to(*args[2:], **rest)
                 copy = tensor.to(*args[2:], **rest | {"copy": True})
-                self.recorder.place(copy, device)
+                self.recorder.place(copy, device, name=f"copy to GPU {device}")
                 return copy
         return func(*args, **kwargs)
 

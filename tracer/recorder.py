@@ -130,13 +130,14 @@ class StepRecorder(TorchDispatchMode):
         storage_id = self._live.get(tensor.untyped_storage()._cdata)
         return storage_id is None or self.storages[storage_id].on_device
 
-    def place(self, tensor: torch.Tensor, device: int | None = None, on_device: bool = True) -> None:
+    def place(self, tensor: torch.Tensor, device: int | None = None, on_device: bool = True, name: str = "") -> None:
         """Put a tensor's storage on GPU ``device`` (a copy between GPUs, a parameter a device map places), or in
-        host memory (``on_device`` False: an offloaded copy)."""
+        host memory (``on_device`` False: an offloaded copy); ``name`` says what made it, for the report."""
         storage = self._storage_of(tensor, created_at=len(self.ops) - 1)
         if device is not None:
             storage.device = device
         storage.on_device = storage.on_device and on_device
+        storage.name = name or storage.name
 
     def enter(self, phase: Phase) -> None:
         """Mark a phase boundary. Storages made in forward and still alive when it ends are saved
