@@ -679,8 +679,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         choices=PIPELINE_SEARCH,
         default="auto",
-        help="pipeline-parallel layouts (1F1B, each stage replicated or FSDP2-sharded, as torchtitan runs them): "
-        "auto searches them when the GPUs span several nodes (default), on always, off never",
+        help="pipeline-parallel layouts (1F1B over 2 to 8 stages, each FSDP2-sharded as torchtitan runs them): "
+        "auto searches them when no other layout fits (default), on always, off never",
     )
     group.add_argument(
         "--jobs",

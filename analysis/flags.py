@@ -14,7 +14,7 @@ from tracer.errors import UserError
 # Beyond any model's context window (Llama 4 Scout: 10M tokens) and any batch one GPU holds.
 MAX_SEQ_LEN = 16_777_216
 MAX_COUNT = 1_048_576
-# plan --pipeline: search pipeline-parallel layouts when the GPUs span several nodes, always, or never.
+# plan --pipeline: search pipeline-parallel layouts when no other layout fits, always, or never.
 PIPELINE_SEARCH = ("auto", "on", "off")
 
 

@@ -92,16 +92,10 @@ def candidates(
 ) -> tuple[list[Candidate], list[str]]:
     """Every layout of ``gpus`` GPUs the model and step can be split into, each with and without full
     activation checkpointing (only the user's choice if they made one); and the layouts left out, with why.
-    ``pipeline``: "on" adds pipeline-parallel layouts, "off" leaves them out, "auto" adds them when the GPUs span
-    several nodes (within one, tensor and sharded data parallelism split the model without a bubble)."""
-    if pipeline not in PIPELINE_SEARCH:
-        raise UserError(f"--pipeline must be one of {', '.join(PIPELINE_SEARCH)} (got {pipeline!r}).")
-    with_pipeline = pipeline == "on" or (pipeline == "auto" and gpus > cluster.gpus_per_node)
+    ``pipeline``: "on" adds pipeline-parallel layouts, "off" leaves them out, "only" gives them alone."""
     layers = getattr(model.config, "num_hidden_layers", None) if model.config is not None else None
     layouts: list[Layout] = []
     skipped: list[str] = []
-    if pipeline == "auto" and not with_pipeline:
-        skipped.append(f"pipeline parallelism: the {gpus} GPUs fit in one node (--pipeline on to search it)")
     for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
         if tp > cluster.gpus_per_node:
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
@@ -114,10 +108,11 @@ def candidates(
         except UserError as error:
             skipped.append(f"tensor parallel {tp}: {error}")
             continue
-        layouts += _data_parallel_layouts(gpus, tp, offload)
-        if with_pipeline and layers is not None:
+        if pipeline != "only":
+            layouts += _data_parallel_layouts(gpus, tp, offload)
+        if pipeline in ("on", "only") and layers is not None:
             layouts += _pipeline_layouts(gpus, tp, layers)
-    if setup.seq_len >= CONTEXT_PARALLEL_FROM:
+    if setup.seq_len >= CONTEXT_PARALLEL_FROM and pipeline != "only":
         layouts += _context_parallel_layouts(gpus, setup.seq_len)
     checkpointing = (setup.grad_checkpointing,) if setup.grad_checkpointing else (None, "full")
     chosen = []
@@ -181,15 +176,40 @@ def plan(
     pipeline: str = "auto",
 ) -> Plan:
     """Every candidate layout's largest fitting micro-batch and step time, fastest first. The distinct steps
-    are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces)."""
+    are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces). ``pipeline``
+    "auto" searches pipeline-parallel layouts only when no other layout fits (a pipeline stage is the costliest
+    to search, and within reach of a layout without a bubble it is rarely faster)."""
     if global_batch is not None and global_batch < 1:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
+    if pipeline not in PIPELINE_SEARCH:
+        raise UserError(f"--pipeline must be one of {', '.join(PIPELINE_SEARCH)} (got {pipeline!r}).")
     compute_dtype = str(setup.autocast_dtype or setup.param_dtype).removeprefix("torch.")
     cluster.gpu.peak_flops(compute_dtype)  # refuses bf16 on GPUs without it, before any tracing
-    chosen, skipped = candidates(model, setup, gpus, cluster, offload, pipeline)
+    chosen, skipped = candidates(model, setup, gpus, cluster, offload, "off" if pipeline == "auto" else pipeline)
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
+    outcomes = _search_all(search, chosen, jobs, on_progress)
+    if pipeline == "auto" and not any(o.fits for o in outcomes):
+        on_progress("nothing fits: adding pipeline-parallel layouts", 0, 0)
+        piped, piped_skipped = candidates(model, setup, gpus, cluster, offload, "only")
+        outcomes += _search_all(search, piped, jobs, on_progress)
+        skipped += piped_skipped
+    elif pipeline == "auto":
+        skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
+    fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
+    failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
+    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
+    if not fitting:
+        on_progress("nothing fits: looking for the smallest change that would", 0, 0)
+        result.suggestions = _suggestions(search, gpus)
+    return result
+
+
+def _search_all(
+    search: _Search, chosen: list[Candidate], jobs: int, on_progress: Callable[[str, int, int], None]
+) -> list[Outcome]:
+    """Each candidate's outcome, the steps it reads traced first."""
     pairs = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
     tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
     on_progress(tracing, 0, len(pairs))
@@ -205,13 +225,7 @@ def plan(
         for done, (index, outcome) in enumerate(searched):
             outcomes[index] = outcome
             on_progress("largest micro-batch of each layout", done + 1, len(chosen))
-    fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
-    failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
-    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
-    if not fitting:
-        on_progress("nothing fits: looking for the smallest change that would", 0, 0)
-        result.suggestions = _suggestions(search, gpus)
-    return result
+    return outcomes
 
 
 def _suggestions(search: _Search, gpus: int) -> list[str]:
