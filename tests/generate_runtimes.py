@@ -19,12 +19,15 @@ events include what kernels allocate inside themselves (``torch.multinomial``'s 
 
 from __future__ import annotations
 
+import multiprocessing
 import weakref
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack, contextmanager
 from unittest.mock import patch
 
 import torch
+import transformers
 from accelerate import dispatch_model
 from torch.autograd.profiler import record_function
 from torch.distributed._tools.common_utils import get_untyped_storages
@@ -225,7 +228,22 @@ def generate_peaks(
 ) -> dict[str, list[int]]:
     """Each GPU's peak in the prefill and over the decode steps of ``generate()`` (the second of two), the model's
     weights and the prompt included: with ``device_map``, the model dispatched by accelerate's own ``dispatch_model``
-    as ``from_pretrained`` does; without, all of it on one GPU."""
+    as ``from_pretrained`` does; without, all of it on one GPU. It runs in a process of its own: the stand-in GPUs,
+    once registered, stay PyTorch's current accelerator (``torch.Stream()`` is made on them), which the other tests
+    must not see."""
+    global _STAND_IN
+    if _STAND_IN is None:
+        _STAND_IN = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    return _STAND_IN.submit(_generate_peaks, model, setup, device_map).result()
+
+
+_STAND_IN: ProcessPoolExecutor | None = None
+
+
+def _generate_peaks(
+    model: ResolvedModel, setup: TrainingSetup, device_map: dict[str, int] | None
+) -> dict[str, list[int]]:
+    transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     net = model.build(setup)
     placed = device_map or {"": 0}
