@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from runtimes import _dtensor_plan, fake_process_group
+from runtimes import dtensor_plan, fake_process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -54,7 +54,7 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
         if layout.tp > 1:
             structure = model_structure(net)
             plan = megatron_plan(structure, layout.tp, 0, False, None)
-            parallelize_module(net, mesh, _dtensor_plan(plan, net))
+            parallelize_module(net, mesh, dtensor_plan(plan, net))
             optimizer = build_optimizer(net, run_setup, foreach=None)
             context = loss_parallel
         elif fsdp:
