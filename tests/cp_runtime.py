@@ -12,10 +12,11 @@ recorder, which reads through the collectives' async wrappers), the third step m
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 import torch.distributed as dist
-from pipeline_runtime import _LocalStorageRecorder
+from pipeline_runtime import recorded_third_step
 from runtimes import data_parallel, fake_process_group, reshard_argument
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -27,13 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout
-from tracer.baseline import register_baseline
 from tracer.context_parallel import local_length
-from tracer.graph import build_graph
-from tracer.modules import ModuleScope, decoder_blocks
+from tracer.modules import decoder_blocks
 from tracer.resolve import Model
-from tracer.roles import Role
-from tracer.step import TrainingStep, build_optimizer
 from tracer.training import TrainingSetup
 
 SEQ_DIM = 2
@@ -107,18 +104,5 @@ def context_parallel_peak(model: Model, setup: TrainingSetup, layout: Layout) ->
             fully_shard(net, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
         elif layout.replicas > 1:
             wrapped, buckets = data_parallel(net, replicas.get_group())
-        step = TrainingStep(wrapped, build_optimizer(net, local, foreach=None), loss_fn=model.loss_fn)
-        if local.autocast_dtype is not None:
-            step.autocast = lambda: torch.autocast("cpu", dtype=local.autocast_dtype)
-        batch = model.batch(local, "cpu")
-        ring = mesh["cp"].get_group()
-        with _RingDispatch(ring):
-            step.run(batch)
-            step.run(batch)
-        recorder = _LocalStorageRecorder(ModuleScope(net), device_type="cpu")
-        register_baseline(recorder, step, batch, step_counters_on_host=False)
-        for index, buffer in buckets.items():
-            recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index}")
-        with recorder.recording(), _RingDispatch(ring):  # above the recorder, which sees the ring's own ops
-            step.run(batch, recorder.enter)
-        return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes
+        ring = partial(_RingDispatch, mesh["cp"].get_group())
+        return find_peak(timeline(recorded_third_step(model, local, net, wrapped, buckets, ring), rounded=False)).bytes

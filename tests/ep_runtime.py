@@ -16,10 +16,9 @@ change what is allocated."""
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import torch
-from pipeline_runtime import _LocalStorageRecorder
+from pipeline_runtime import recorded_third_step
 from runtimes import data_parallel, fake_process_group
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
@@ -31,13 +30,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
 from analysis.peak import find_peak, timeline
-from tracer.baseline import register_baseline
 from tracer.expert_parallel import DISPATCHED_EXPERTS, _matching, expert_weight, routing_of, shard_experts
-from tracer.graph import StepGraph, build_graph
-from tracer.modules import ModuleScope
+from tracer.graph import StepGraph
 from tracer.resolve import ResolvedModel
-from tracer.roles import Role
-from tracer.step import TrainingStep, build_optimizer
 from tracer.training import TrainingSetup
 
 
@@ -110,7 +105,7 @@ def expert_parallel_peak(
             left_out = [name for name, _ in net.named_parameters() if expert_weight(net._ep_plan, name)]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, left_out)
             wrapped, buckets = data_parallel(net, mesh.get_group())
-        return find_peak(timeline(_third_step(model, setup, net, wrapped, buckets), rounded=False)).bytes
+        return find_peak(timeline(recorded_third_step(model, setup, net, wrapped, buckets), rounded=False)).bytes
 
 
 def expert_parallel_fsdp_step(
@@ -137,7 +132,7 @@ def expert_parallel_fsdp_step(
         low, reduce = (torch.bfloat16, torch.float32) if mixed else (None, None)
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce, cast_forward_inputs=False)
         apply_fsdp(net, dense, mesh["efsdp"], policy, reshard_after_forward)
-        return _third_step(model, setup, net, net, {})
+        return recorded_third_step(model, setup, net, net, {})
 
 
 def apply_fsdp(
@@ -205,23 +200,3 @@ def _expert_parallel_model(
             if expert_weight(plan, name):
                 parameter.uniform_(-1e-2, 1e-2)
     return net
-
-
-def _third_step(
-    model: ResolvedModel, setup: TrainingSetup, net: nn.Module, wrapped: nn.Module, buckets: dict[int, torch.Tensor]
-) -> StepGraph:
-    """Run two steps, then record the third, counting ``buckets`` (DDP's) from before it."""
-    optimizer = build_optimizer(net, setup, foreach=None)
-    step = TrainingStep(wrapped, optimizer, loss_fn=model.loss_fn)
-    if setup.autocast_dtype is not None:
-        step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
-    batch = model.batch(setup, "cpu")
-    step.run(batch)
-    step.run(batch)
-    recorder = _LocalStorageRecorder(ModuleScope(net), device_type="cpu")
-    register_baseline(recorder, step, batch, step_counters_on_host=False)
-    for index, buffer in buckets.items():
-        recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index}")
-    with recorder.recording():
-        step.run(batch, recorder.enter)
-    return build_graph(recorder.trace())

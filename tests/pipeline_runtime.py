@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from unittest.mock import patch
 
 import torch
@@ -37,13 +38,14 @@ from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank
 from strategies.pipeline import layer_split
 from strategies.tensor_parallel import megatron_plan
-from tracer.graph import build_graph
+from tracer.baseline import register_baseline
+from tracer.graph import StepGraph, build_graph
 from tracer.inference import CACHE_KWARG
 from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import build_optimizer, make_token_batch, optimizer_recipe
+from tracer.step import TrainingStep, build_optimizer, make_token_batch, optimizer_recipe
 from tracer.trace import ModelStructure
 from tracer.training import TrainingSetup
 
@@ -149,6 +151,33 @@ class _LocalStorageRecorder(StepRecorder):
 
         with patch.object(torch.UntypedStorage, "resize_", tracked_resize), super().recording() as recorder:
             yield recorder
+
+
+def recorded_third_step(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    net: nn.Module,
+    wrapped: nn.Module,
+    buckets: dict[int, torch.Tensor],
+    around: Callable[[], AbstractContextManager] = nullcontext,
+) -> StepGraph:
+    """Run two steps of ``wrapped`` (``net`` under its data-parallel runtime, if any), then record the third,
+    counting ``buckets`` (DDP's) from before it. Each step runs inside ``around()``, which is entered above the
+    recorder so that the recorder sees the ops it runs."""
+    step = TrainingStep(wrapped, build_optimizer(net, setup, foreach=None), loss_fn=model.loss_fn)
+    if setup.autocast_dtype is not None:
+        step.autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype)
+    batch = model.batch(setup, "cpu")
+    with around():
+        step.run(batch)
+        step.run(batch)
+    recorder = _LocalStorageRecorder(ModuleScope(net), device_type="cpu")
+    register_baseline(recorder, step, batch, step_counters_on_host=False)
+    for index, buffer in buckets.items():
+        recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index}")
+    with recorder.recording(), around():
+        step.run(batch, recorder.enter)
+    return build_graph(recorder.trace())
 
 
 def _stage_structure(model: ResolvedModel, layers: range, first: bool, last: bool) -> ModelStructure:
