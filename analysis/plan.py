@@ -456,7 +456,8 @@ def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequ
     replay) is at most what a report needs, so the search runs on it first: the largest size whose floor fits
     bounds the answer. Only then is the allocator replayed, at that size and, while it does not fit, at the
     largest smaller size whose floor leaves room for the slack the last replay found; the sizes between the one
-    that fits and the smallest that does not are then bisected, the slack not being the same at every size."""
+    that fits and the smallest that does not are then bisected, the slack not being the same at every size; the
+    smallest size is replayed before none is said to fit, a larger size's slack being no bound on a smaller one's."""
     floors: dict[int, int] = {}
 
     def floor(position: int) -> int:
@@ -477,14 +478,17 @@ def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequ
 
     position = bad = largest_within(budget.usable_bytes, len(sizes))
     bad += 1  # the smallest position known not to fit
+    report = None
     while position >= 0:
         report = steps.evaluate(sizes[position]).report
         if budget.fits(report):
             break
         bad, slack = position, budget.needed_bytes(report) - floor(position)
-        position = largest_within(budget.usable_bytes - slack, position)
+        # the smallest size is tried whatever the slack: where the allocated peak is the optimizer step's, the floor
+        # is flat and a large batch's cached activation segments leave it far more slack than a small batch's
+        position = max(largest_within(budget.usable_bytes - slack, position), 0) if position else -1
     else:
-        return 0, steps.evaluate(sizes[0]).report
+        return 0, report if report is not None else steps.evaluate(sizes[0]).report
     while bad - position > 1:  # the allocator's slack varies from size to size: close in on the edge
         middle = (position + bad) // 2
         middle_report = steps.evaluate(sizes[middle]).report

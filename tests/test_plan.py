@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 from tiny_models import tiny_model
@@ -13,7 +14,7 @@ from analysis.budget import MemoryBudget
 from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
-from analysis.plan import Candidate, plan
+from analysis.plan import Candidate, _largest_fitting, plan
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
@@ -291,3 +292,20 @@ def test_long_sequences_are_planned_with_context_parallelism():
         report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), outcome.candidate.layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
         assert outcome.time.communication_s > 0
+
+
+def test_the_search_tries_the_smallest_batch_whatever_the_slack():
+    """A flat floor (the peak in the optimizer step) with a reserve that grows with the batch: the slack the largest
+    batch leaves rules out every floor, yet batches up to 5 fit; the search finds 5, not none."""
+
+    class Flat:
+        def needed_floor(self, size: int) -> int:
+            return 100
+
+        def evaluate(self, size: int) -> SimpleNamespace:
+            return SimpleNamespace(report=SimpleNamespace(ranks=[], device_total_bytes=101 + size, peak_bytes=100))
+
+    budget = MemoryBudget(capacity_bytes=106, margin=0)
+    micro, report = _largest_fitting(Flat(), budget, 64)
+    assert (micro, report.device_total_bytes) == (5, 106)
+    assert _largest_fitting(Flat(), MemoryBudget(capacity_bytes=101, margin=0), 64)[0] == 0
