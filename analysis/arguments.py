@@ -116,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank every multi-GPU layout by training speed, each at the largest micro-batch that fits",
         description="For MODEL on --gpus GPUs of one kind: every layout (DDP, ZeRO-1/2/3 as PyTorch and DeepSpeed "
         "run them, every tensor-parallel degree that divides the GPUs and the heads, their products, optimizer "
-        "offload), each with and without full activation checkpointing; for each, the largest micro-batch whose "
-        "predicted reserved memory plus CUDA context fits the GPU less --margin, the gradient accumulation that "
-        "reaches --global-batch, and the step time and tokens/s; then one recommendation and why.",
+        "offload; for a MoE model, every expert-parallel degree within a node that divides the GPUs and the experts, "
+        "under DDP or FSDP2), each with and without full activation checkpointing; for each, the largest micro-batch "
+        "whose predicted reserved memory plus CUDA context fits the GPU less --margin, the gradient accumulation "
+        "that reaches --global-batch, and the step time and tokens/s; then one recommendation and why.",
     )
     _add_step_arguments(planner, searches_batch=True)
     _add_plan_arguments(planner)
@@ -675,6 +676,15 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"host memory bandwidth an offloaded optimizer step streams at, GB/s (default {HOST_OPTIMIZER_GBPS:g})",
     )
     group.add_argument("--no-offload", action="store_true", help="leave optimizer-offload layouts out")
+    group.add_argument(
+        "--routing-imbalance",
+        type=rate,
+        default=1.0,
+        metavar="X",
+        help="for a MoE model's expert-parallel layouts: the busiest GPU's experts receive X times their share of "
+        "the routed tokens, for capacity planning; that GPU is the one whose memory is planned (default 1: "
+        "balanced routing)",
+    )
     group.add_argument(
         "--pipeline",
         choices=PIPELINE_SEARCH,

@@ -126,6 +126,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             args.global_batch,
             offload=not args.no_offload,
             pipeline=args.pipeline,
+            routing_imbalance=args.routing_imbalance,
             jobs=args.jobs,
             on_progress=bar,
         )

@@ -26,6 +26,7 @@ from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
 from strategies.layout import Layout, prepare
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
+from tracer.expert_parallel import routed_experts
 from tracer.resolve import Model
 from tracer.tracing import traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
@@ -88,12 +89,20 @@ class Plan:
 
 
 def candidates(
-    model: Model, setup: TrainingSetup, gpus: int, cluster: Cluster, offload: bool = True, pipeline: str = "auto"
+    model: Model,
+    setup: TrainingSetup,
+    gpus: int,
+    cluster: Cluster,
+    offload: bool = True,
+    pipeline: str = "auto",
+    routing_imbalance: float = 1.0,
 ) -> tuple[list[Candidate], list[str]]:
     """Every layout of ``gpus`` GPUs the model and step can be split into, each with and without full
     activation checkpointing (only the user's choice if they made one); and the layouts left out, with why.
-    ``pipeline``: "on" adds pipeline-parallel layouts, "off" leaves them out, "only" gives them alone."""
+    ``pipeline``: "on" adds pipeline-parallel layouts, "off" leaves them out, "only" gives them alone.
+    ``routing_imbalance``: the routing expert-parallel layouts assume (--routing-imbalance)."""
     layers = getattr(model.config, "num_hidden_layers", None) if model.config is not None else None
+    experts = routed_experts(model.config) if model.config is not None else None
     layouts: list[Layout] = []
     skipped: list[str] = []
     for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
@@ -114,6 +123,10 @@ def candidates(
             layouts += _pipeline_layouts(gpus, tp, layers)
     if setup.seq_len >= CONTEXT_PARALLEL_FROM and pipeline != "only":
         layouts += _context_parallel_layouts(gpus, setup.seq_len)
+    if experts and pipeline != "only":
+        expert_parallel, wide = _expert_parallel_layouts(gpus, experts, cluster.gpus_per_node, routing_imbalance)
+        layouts += expert_parallel
+        skipped += wide
     checkpointing = (setup.grad_checkpointing,) if setup.grad_checkpointing else (None, "full")
     chosen = []
     for layout in layouts:
@@ -131,6 +144,29 @@ def _context_parallel_layouts(gpus: int, seq_len: int) -> list[Layout]:
     (FSDP2, as torchtitan shards over its dp_shard x cp mesh)."""
     degrees = (c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0)
     return [Layout(gpus=gpus, cp=cp, zero=3) for cp in degrees]
+
+
+def _expert_parallel_layouts(
+    gpus: int, experts: int, gpus_per_node: int, routing_imbalance: float
+) -> tuple[list[Layout], list[str]]:
+    """Each expert-parallel degree dividing the GPUs and the routed experts, up to a node, under the data-parallel
+    runtimes torchtitan composes it with: FSDP2 over all the GPUs, resharding after forward or not, and DDP where
+    each expert lives on one GPU (degree = GPUs; ``prepare`` refuses it below); and the degrees left out, with why.
+
+    Each degree is a step of its own to trace (the rank's experts and exchanges): the two FSDP2 layouts share it,
+    and DDP's differs from it only under mixed precision, so a degree costs one or two more traced steps (twice
+    that without a checkpointing choice): 2, 4 and 8 over 8 GPUs. Capping the degree at a node, as tensor
+    parallelism is, bounds that over many GPUs, where a wider degree would save little (ZeRO-3's expert shards are
+    1/gpus of them whatever the degree) and send every MoE layer's all-to-all over the slower links between nodes."""
+    degrees = [e for e in range(2, gpus + 1) if gpus % e == 0 and experts % e == 0]
+    layouts = []
+    for ep in (e for e in degrees if e <= gpus_per_node):
+        if ep == gpus:
+            layouts.append(Layout(gpus=gpus, ep=ep, routing_imbalance=routing_imbalance))
+        layouts += [Layout(gpus=gpus, ep=ep, zero=zero, routing_imbalance=routing_imbalance) for zero in (2, 3)]
+    wide = [str(e) for e in degrees if e > gpus_per_node]
+    skipped = [f"expert parallel {', '.join(wide)}: wider than a node of {gpus_per_node} GPUs"] if wide else []
+    return layouts, skipped
 
 
 def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
@@ -174,18 +210,23 @@ def plan(
     jobs: int = 1,
     on_progress: Callable[[str, int, int], None] = lambda what, done, total: None,
     pipeline: str = "auto",
+    routing_imbalance: float = 1.0,
 ) -> Plan:
     """Every candidate layout's largest fitting micro-batch and step time, fastest first. The distinct steps
     are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces). ``pipeline``
     "auto" searches pipeline-parallel layouts only when no other layout fits (a pipeline stage is the costliest
-    to search, and within reach of a layout without a bubble it is rarely faster)."""
+    to search, and within reach of a layout without a bubble it is rarely faster). ``routing_imbalance``: the
+    busiest GPU's share of the routed tokens that expert-parallel layouts of a MoE model assume."""
     if global_batch is not None and global_batch < 1:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
     if pipeline not in PIPELINE_SEARCH:
         raise UserError(f"--pipeline must be one of {', '.join(PIPELINE_SEARCH)} (got {pipeline!r}).")
+    if routing_imbalance != 1 and (model.config is None or not routed_experts(model.config)):
+        raise UserError("--routing-imbalance applies to the expert-parallel layouts of a MoE model; this one has none.")
     compute_dtype = str(setup.autocast_dtype or setup.param_dtype).removeprefix("torch.")
     cluster.gpu.peak_flops(compute_dtype)  # refuses bf16 on GPUs without it, before any tracing
-    chosen, skipped = candidates(model, setup, gpus, cluster, offload, "off" if pipeline == "auto" else pipeline)
+    searched = "off" if pipeline == "auto" else pipeline
+    chosen, skipped = candidates(model, setup, gpus, cluster, offload, searched, routing_imbalance)
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
@@ -274,7 +315,7 @@ class _Search:
         step's at 1, 2 and 3 (the whole per-rank batch rarely fits at once)."""
         setup = self.candidate_setup(candidate)
         needed = [(self.layout_estimate(setup, candidate.layout).source, batch) for batch in (2, 3)]
-        if (self.per_rank_batch(candidate.layout) or 1) > 1 and candidate.layout.pp == 1:
+        if (self.per_rank_batch(candidate.layout) or 1) > 1 and _accumulates(candidate.layout):
             accumulating = self.accumulating_estimate(setup, candidate.layout).source
             needed += [(accumulating, batch) for batch in (1, 2, 3)]
         return needed
@@ -357,8 +398,11 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
         micro, accumulation, steps, report = _largest_divisor_fitting(search, candidate_setup, layout, steps, per_rank)
     if micro == 0:
         outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
+        outcome.needed_at = report.setup.batch_size
         if accumulation > 1:
             outcome.notes.append(f"at micro-batch 1 with {accumulation} accumulation steps")
+        elif not _accumulates(layout) and per_rank is not None and per_rank > 1:
+            outcome.notes.append("the per-rank batch in one micro-step: expert parallelism does not accumulate yet")
         return outcome
     estimate = steps.evaluate(micro)
     outcome.micro_batch, outcome.accumulation = micro, accumulation
@@ -430,18 +474,25 @@ def _largest_divisor_fitting(
     """The largest micro-batch dividing ``per_rank`` that fits, its accumulation, the estimate it was read from
     and its report (micro-batch 0 and micro-batch 1's report if none fits).
 
-    The whole per-rank batch in one micro-step is tried first; otherwise the micro-steps accumulate, whose
-    gradients outlive each backward, so memory only grows: the proper divisors are searched on the step of two
-    micro-steps (which stands for any number of them)."""
+    The whole per-rank batch in one micro-step is tried first; otherwise the micro-steps accumulate (where the
+    layout can), whose gradients outlive each backward, so memory only grows: the proper divisors are searched on
+    the step of two micro-steps (which stands for any number of them)."""
     budget = search.budget
-    if per_rank == 1 or not budget.rules_out(whole.needed_floor(per_rank)):
+    alone = per_rank == 1 or not _accumulates(layout)
+    if alone or not budget.rules_out(whole.needed_floor(per_rank)):
         report = whole.evaluate(per_rank).report
-        if budget.fits(report) or per_rank == 1:
+        if budget.fits(report) or alone:
             return (per_rank if budget.fits(report) else 0), 1, whole, report
     accumulating = search.accumulating_estimate(candidate_setup, layout)
     divisors = [d for d in range(1, per_rank) if per_rank % d == 0]
     micro, report = _largest_fitting_of(accumulating, budget, divisors)
     return micro, (per_rank // micro if micro else per_rank), accumulating, report
+
+
+def _accumulates(layout: Layout) -> bool:
+    """Whether the layout's micro-steps can accumulate: not a pipeline's (its microbatches are its accumulation),
+    nor expert parallelism's (``prepare`` refuses --grad-accum with it: not checked against a runtime yet)."""
+    return layout.pp == 1 and layout.ep == 1
 
 
 def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:

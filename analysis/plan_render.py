@@ -20,6 +20,7 @@ def render_plan(plan: Plan) -> str:
         f"{plan.model_id} on {plan.gpus} x {gpu.description} ({format_bytes(gpu.memory_bytes, 2)}), sequence "
         f"{plan.setup.seq_len:,}{batch}",
         f"Fits: {plan.budget.describe()}.",
+        *_routing(plan),
         "",
         tabulate(
             [_row(rank, outcome, numbers, pipelined) for rank, outcome in enumerate(plan.outcomes, 1)],
@@ -36,6 +37,7 @@ def render_plan(plan: Plan) -> str:
             ],
             colalign=("right", "left", *("right",) * (7 if pipelined else 6)),
         ),
+        *(["", *(f"[{number}] {note}" for note, number in numbers.items())] if numbers else []),
         "",
         *_recommendation(plan),
         "",
@@ -44,11 +46,22 @@ def render_plan(plan: Plan) -> str:
         f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
         "between nodes), overlapped as each runtime overlaps them (docs/how-it-works.md: the step-time model).",
     ]
-    if numbers:
-        lines[4:4] = ["", *(f"[{number}] {note}" for note, number in numbers.items())]
     if plan.skipped:
         lines += ["Not considered:", *(f"  {reason}" for reason in plan.skipped)]
     return "\n".join(lines)
+
+
+def _routing(plan: Plan) -> list[str]:
+    """What the expert-parallel layouts assume of the routing, when there are any."""
+    imbalance = next((o.candidate.layout.routing_imbalance for o in plan.outcomes if o.candidate.layout.ep > 1), None)
+    if imbalance is None:
+        return []
+    if imbalance == 1:
+        return ["Expert parallel: balanced routing, each GPU's experts receiving their share of the routed tokens."]
+    return [
+        f"Expert parallel: the busiest GPU's experts receive {imbalance:g} times their share of the routed tokens "
+        "(--routing-imbalance); that GPU is the one planned."
+    ]
 
 
 def _row(rank: int, outcome: Outcome, notes_index: dict[str, int], pipelined: bool) -> list[Any]:
@@ -101,7 +114,10 @@ def _recommendation(plan: Plan) -> list[str]:
         (
             o
             for o in plan.outcomes
-            if o.candidate.layout.zero == 0 and o.candidate.layout.tp == 1 and not o.candidate.checkpointing
+            if o.candidate.layout.zero == 0
+            and o.candidate.layout.tp == 1
+            and o.candidate.layout.ep == 1
+            and not o.candidate.checkpointing
         ),
         None,
     )

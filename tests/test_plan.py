@@ -14,7 +14,7 @@ from analysis.budget import MemoryBudget
 from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
-from analysis.plan import Candidate, _largest_fitting, plan
+from analysis.plan import Candidate, _largest_fitting, candidates, plan
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
@@ -212,6 +212,7 @@ def test_plan_cli_json(tmp_path, capsys):
         (["--gpu", "v100-32gb", "--dtype", "bf16"], "no bfloat16"),
         (["--tflops", "0"], "--tflops must be a finite positive number"),
         (["--internode-gbps", "-1"], "--internode-gbps must be a finite positive number"),
+        (["--routing-imbalance", "2"], "--routing-imbalance applies to the expert-parallel layouts of a MoE model"),
     ],
 )
 def test_plan_cli_errors(tmp_path, capsys, flags, message):
@@ -292,6 +293,44 @@ def test_long_sequences_are_planned_with_context_parallelism():
         report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), outcome.candidate.layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
         assert outcome.time.communication_s > 0
+
+
+def test_moe_models_are_planned_with_expert_parallelism():
+    """A MoE model's plan adds expert parallelism under DDP and both FSDP2 layouts, with the routing asked for;
+    each one's memory is analyze's for that layout at its micro-batch, and its step time prices the all-to-all."""
+    model = tiny_model("qwen3_moe")
+    setup = dataclasses.replace(SETUP, grad_checkpointing="full")
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, setup, 2, Cluster(gpu), budget, offload=False, routing_imbalance=1.5)
+    expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
+    assert {(o.candidate.layout.ep, o.candidate.layout.zero) for o in expert_parallel} == {(2, 0), (2, 2), (2, 3)}
+    for outcome in expert_parallel:
+        layout = outcome.candidate.layout
+        assert outcome.fits and layout.routing_imbalance == 1.5
+        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        assert budget.needed_bytes(report) == outcome.needed_bytes, layout.describe()
+        assert outcome.time.communication_s > 0
+    dense, skipped = candidates(tiny_model("llama"), SETUP, 8, Cluster(gpu))
+    assert all(candidate.layout.ep == 1 for candidate in dense)
+    assert not any("expert" in reason for reason in skipped)
+
+
+def test_expert_parallel_layouts_run_the_per_rank_batch_whole():
+    """Gradient accumulation with expert parallelism is refused (not checked against a runtime): with a global batch,
+    an expert-parallel layout runs its per-rank batch in one micro-step or does not fit, read at that batch, while
+    the others accumulate; degrees wider than a node are left out, with why."""
+    model = tiny_model("qwen3_moe")
+    setup = dataclasses.replace(SETUP, grad_checkpointing="full")
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    result = plan(model, setup, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=512, offload=False)
+    expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
+    assert expert_parallel and all(not o.fits and o.needed_at == 256 and o.notes for o in expert_parallel)
+    assert any(o.fits and o.accumulation > 1 for o in result.outcomes)
+    wide = tiny_model("qwen3_moe", num_experts=16)
+    chosen, skipped = candidates(wide, setup, 16, Cluster(gpu, gpus_per_node=4))
+    assert {c.layout.ep for c in chosen} == {1, 2, 4}
+    assert "expert parallel 8, 16: wider than a node of 4 GPUs" in skipped
 
 
 def test_the_search_tries_the_smallest_batch_whatever_the_slack():

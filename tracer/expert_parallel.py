@@ -98,9 +98,14 @@ class Routing:
         )
 
 
+def routed_experts(config) -> int | None:
+    """The routed experts of each MoE layer a model's config gives (None: a dense model's)."""
+    return next((getattr(config, name) for name in EXPERT_COUNTS if getattr(config, name, None)), None)
+
+
 def routing_of(config, degree: int, imbalance: float = 1.0) -> Routing:
     """The routing assumed for a model's config (its experts per MoE layer and top-k)."""
-    experts = next((getattr(config, name) for name in EXPERT_COUNTS if getattr(config, name, None)), None)
+    experts = routed_experts(config)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not experts or not top_k:
         raise UserError(f"--ep shards the experts of a MoE model; {type(config).__name__} has none: use --ep 1.")
