@@ -558,7 +558,15 @@ def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PP_SCHEDULES,
         default="1f1b",
         help="with --pp: gpipe runs every microbatch's forward, then every backward; 1f1b keeps at most "
-        "(stages - stage) microbatches in flight (default 1f1b)",
+        "(stages - stage) microbatches in flight; interleaved-1f1b gives each rank --stages-per-rank stages "
+        "(torch's ScheduleInterleaved1F1B), a smaller bubble for more microbatches in flight (default 1f1b)",
+    )
+    group.add_argument(
+        "--stages-per-rank",
+        type=count(),
+        default=None,
+        help="with --pp-schedule interleaved-1f1b: pipeline stages each rank holds, rank r holding stages r, "
+        "r + pp, ... (torchtitan's stages per rank; default 2)",
     )
     group.add_argument(
         "--microbatches",
@@ -723,6 +731,7 @@ def layout_of(args: argparse.Namespace):
         pp_schedule=args.pp_schedule,
         microbatches=args.microbatches,
         pp_split=args.pp_split,
+        pp_stages_per_rank=args.stages_per_rank,
         cp=args.cp,
         zero=args.zero,
         engine=args.engine,

@@ -94,6 +94,7 @@ class MemoryReport:
                 "dp": self.rank.dp,
                 "tp": self.rank.tp,
                 "pp_stage": self.rank.pp,
+                "pp_stages": self.layout.rank_stages(self.rank),
             },
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
@@ -224,7 +225,7 @@ def _ranks_table(report: MemoryReport) -> str:
     rows = [
         (
             r.rank.global_rank(report.layout),
-            r.rank.pp,
+            ",".join(map(str, report.layout.rank_stages(r.rank))),
             r.rank.dp,
             r.rank.tp,
             format_bytes(r.peak_bytes),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank
 from strategies.pipeline import BACKWARD, FORWARD, RECEIVE_BUFFER, schedule_actions
 from tracer.gpus import PCIE_4_X16_GBPS, Gpu
 from tracer.graph import (
@@ -132,30 +132,35 @@ def step_time(step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: 
 
 
 def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster, compute_dtype: str) -> StepTime:
-    """One step of a pipeline (``stages``: each stage's step, data- and tensor-parallel rank 0): every forward
-    and backward of a microbatch takes its pass's roofline time (tensor parallelism dividing it, its all-reduces
-    waited for), in the order the stage's schedule runs them, each starting once the previous stage's activations
-    (or the next stage's gradients) have arrived over the pipeline's link; the bubble is the idle time this leaves.
-    The optimizer steps and the data-parallel reductions follow the last backward (FSDP2 and DDP reduce a
-    pipeline stage's gradients once per step), the busiest stage's counting."""
+    """One step of a pipeline (``stages``: each pipeline rank's step, data- and tensor-parallel rank 0): every
+    forward and backward of a microbatch through a stage takes its pass's roofline time (tensor parallelism
+    dividing it, its all-reduces waited for), in the order the rank's schedule runs them, each starting once the
+    previous stage's activations (or the next stage's gradients) have arrived over the pipeline's link; the bubble
+    is the idle time this leaves. The optimizer steps and the data-parallel reductions follow the last backward
+    (FSDP2 and DDP reduce a pipeline rank's gradients once per step), the busiest rank's counting."""
     gpu = cluster.gpu
     link = cluster.group_bytes_per_second(layout.pp, layout.replicas * layout.tp)
-    durations: list[dict[tuple[str, int], float]] = []
+    durations: list[dict[tuple[str, int, int], float]] = []
     sends: list[float] = []
-    for step in stages:
+    for rank, step in enumerate(stages):
         tp_all_reduce = sum(
             _collective_seconds(c, layout, cluster) for c in step.collectives if c.group == TENSOR_PARALLEL
         )
+        step_passes = step.pipeline_passes()
+        passes_per_microbatch = 2 * layout.stages_per_rank  # each stage's forward and backward share the all-reduces
+        # the rank's own stages, in the order of the step's (a rank's step may stand in for another's)
+        own = dict(zip(sorted({p.stage for p in step_passes}), layout.rank_stages(Rank(pp=rank)), strict=True))
         passes = {}
-        for stage_pass in step.pipeline_passes():
+        for stage_pass in step_passes:
             compute = _ops_seconds(step.ops[stage_pass.ops.start : stage_pass.ops.stop], gpu, compute_dtype)
             kind = FORWARD if stage_pass.phase is Phase.FORWARD else BACKWARD
-            passes[kind, stage_pass.microbatch] = compute / layout.tp + tp_all_reduce / 2
+            key = (kind, own[stage_pass.stage], stage_pass.microbatch)
+            passes[key] = compute / layout.tp + tp_all_reduce / passes_per_microbatch
         durations.append(passes)
         received = [row.nbytes for row in step.storages.values() if row.name.startswith(RECEIVE_BUFFER)]
         sends.append(max(received, default=0) / link)
-    microbatches = len({microbatch for _, microbatch in durations[0]})
-    makespan = schedule_makespan(layout.pp_schedule, durations, sends, microbatches)
+    microbatches = layout.stage_microbatches
+    makespan = schedule_makespan(layout, durations, sends)
     optimizer = max(
         _ops_seconds([op for op in step.ops if op.phase is Phase.OPTIMIZER], gpu, compute_dtype) for step in stages
     )
@@ -165,40 +170,42 @@ def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster
         for step in stages
     )
     busiest = max(range(len(stages)), key=lambda s: sum(durations[s].values()))
-    forward = sum(t for (kind, _), t in durations[busiest].items() if kind == FORWARD) / microbatches
-    backward = sum(t for (kind, _), t in durations[busiest].items() if kind == BACKWARD) / microbatches
+    forward = sum(t for (kind, *_), t in durations[busiest].items() if kind == FORWARD) / microbatches
+    backward = sum(t for (kind, *_), t in durations[busiest].items() if kind == BACKWARD) / microbatches
     bubble = makespan - sum(durations[busiest].values())
-    communication = data_parallel + 2 * microbatches * sum(sends)
+    communication = data_parallel + 2 * microbatches * layout.stages_per_rank * sum(sends)
     total = makespan + optimizer + data_parallel
     return StepTime(
         forward, backward, optimizer, communication, data_parallel, 0.0, microbatches, total, pipeline_bubble_s=bubble
     )
 
 
-def schedule_makespan(
-    schedule: str, durations: list[dict[tuple[str, int], float]], sends: list[float], microbatches: int
-) -> float:
-    """When the last stage's last action ends: each stage runs its schedule's actions in order
+def schedule_makespan(layout: Layout, durations: list[dict[tuple[str, int, int], float]], sends: list[float]) -> float:
+    """When the last rank's last action ends: each rank runs its schedule's actions in order
     (strategies/pipeline.py ``schedule_actions``), a forward after the previous stage's forward of the same
-    microbatch has arrived, a backward after the next stage's backward of it."""
-    stages = len(durations)
-    actions = [schedule_actions(schedule, stages, stage, microbatches) for stage in range(stages)]
-    done: dict[tuple[int, str, int], float] = {}
-    clock, next_action = [0.0] * stages, [0] * stages
-    while any(next_action[s] < len(actions[s]) for s in range(stages)):
+    microbatch has arrived, a backward after the next stage's backward of it (``durations``: each rank's actions'
+    seconds; ``sends``: each rank's seconds to receive a tensor)."""
+    ranks, stage_count = layout.pp, layout.pp * layout.stages_per_rank
+    actions = [
+        schedule_actions(layout.pp_schedule, ranks, rank, layout.stage_microbatches, layout.stages_per_rank)
+        for rank in range(ranks)
+    ]
+    done: dict[tuple[str, int, int], float] = {}
+    clock, next_action = [0.0] * ranks, [0] * ranks
+    while any(next_action[r] < len(actions[r]) for r in range(ranks)):
         progressed = False
-        for stage in range(stages):
-            while next_action[stage] < len(actions[stage]):
-                kind, microbatch = actions[stage][next_action[stage]]
+        for rank in range(ranks):
+            while next_action[rank] < len(actions[rank]):
+                kind, stage, microbatch = actions[rank][next_action[rank]]
                 source = stage - 1 if kind == FORWARD else stage + 1
                 ready = 0.0
-                if 0 <= source < stages:
-                    if (source, kind, microbatch) not in done:
+                if 0 <= source < stage_count:
+                    if (kind, source, microbatch) not in done:
                         break
-                    ready = done[source, kind, microbatch] + sends[min(stage, source)]
-                clock[stage] = max(clock[stage], ready) + durations[stage][kind, microbatch]
-                done[stage, kind, microbatch] = clock[stage]
-                next_action[stage] += 1
+                    ready = done[kind, source, microbatch] + sends[rank]
+                clock[rank] = max(clock[rank], ready) + durations[rank][kind, stage, microbatch]
+                done[kind, stage, microbatch] = clock[rank]
+                next_action[rank] += 1
                 progressed = True
         if not progressed:
             raise ValueError("the pipeline schedule waits on itself")

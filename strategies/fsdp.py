@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from strategies.collectives import gradient_bytes, parameter_bytes, recorded, sharded_data_parallel
+from strategies.pipeline import unshard_reshard
 from strategies.rewrite import Point, Rewrite, unit_windows
 from strategies.sharding import Dim0Shard
 from tracer.errors import UserError
@@ -270,32 +271,104 @@ class _Fsdp:
             self.held_reduce_input = None
 
     def pipelined(self, passes: list[PipelinePass]) -> None:
-        """A pipeline stage's step (torch.distributed.pipelining, stage.py ``backward_maybe_with_nosync``): every
+        """A pipeline rank's step (torch.distributed.pipelining, stage.py ``backward_maybe_with_nosync``): every
         microbatch's backward runs with ``set_requires_gradient_sync(False)`` and
         ``set_reshard_after_backward(False)``, so the unsharded parameters stay gathered from their first backward
         on and the unsharded gradients accumulate (in float32 under a mixed-precision policy:
         ``to_accumulated_grad_if_needed``); after the last backward, ``perform_reduce_grad`` runs every
-        unit's ``post_backward`` with reduction, in the stage's module order (root first)."""
+        unit's ``post_backward`` with reduction, in the stage's module order (root first). A rank running several
+        stages runs them as :meth:`looped` says."""
+        stages = list(dict.fromkeys(stage_pass.stage for stage_pass in passes))
+        if len(stages) > 1:
+            self.looped(passes, stages)
+            return
+        units = (ROOT, *self.step.structure.blocks)
         for stage_pass in passes:
             windows = unit_windows(self.step, self.paths, stage_pass.ops)
             if stage_pass.phase is Phase.FORWARD:
-                self.pipelined_forward(windows)
+                self.pipelined_forward(windows, units)
             else:
-                self.pipelined_backward(windows, stage_pass.ops)
-        end = max(stage_pass.ops[-1] for stage_pass in passes)
-        for unit in (ROOT, *self.step.structure.blocks):
+                self.pipelined_backward(windows, stage_pass.ops, units)
+        self.reduce_stage(units, max(stage_pass.ops[-1] for stage_pass in passes))
+
+    def looped(self, passes: list[PipelinePass], stages: list[int]) -> None:
+        """Several stages on one rank, each its own FSDP root (torchtitan shards each model part), under
+        ``_PipelineScheduleRuntime``, whose lowering adds around the compute actions (``_add_unshard_reshard``,
+        ``_add_reduce_grad``): UNSHARD, each unit of a stage about to run all-gathering asynchronously, copied
+        out (its flat buffer freed) when the stage next computes (``_assert_unsharded``); RESHARD, a stage no
+        longer among the next few freeing its unsharded parameters; REDUCE_GRAD, a stage's ``perform_reduce_grad``
+        right after its last backward."""
+        units = self.stage_units(passes, stages)
+        around, resharded_at_end = unshard_reshard([stage_pass.stage for stage_pass in passes])
+        backwards_left = defaultdict(int)
+        for stage_pass in passes:
+            backwards_left[stage_pass.stage] += stage_pass.phase is Phase.BACKWARD
+        pending: dict[str, int] = {}  # units gathered by an UNSHARD, not copied out yet: their flat buffers
+        for stage_pass, (evict, fetch) in zip(passes, around, strict=True):
+            start, phase = stage_pass.ops[0], stage_pass.phase
+            for stage in evict:
+                self.reshard_units(units[stage], start, phase)
+            for stage in fetch:
+                for unit in units[stage]:
+                    if unit not in self.unsharded and unit not in pending:
+                        point = self.rw.before(start, "fsdp.all_gather (unshard)", unit, phase)
+                        pending[unit] = self.all_gather(unit, point).buffer
+            for unit in units[stage_pass.stage]:
+                if unit in pending:
+                    copy_out = self.rw.before(start, "fsdp.all_gather_copy_out", unit, phase)
+                    self.rw.retime(pending.pop(unit), last=copy_out)
+                    self.unsharded[unit] = self.copy_out(unit, copy_out, None)
+            windows = unit_windows(self.step, self.paths, stage_pass.ops)
+            if phase is Phase.FORWARD:
+                self.pipelined_forward(windows, units[stage_pass.stage])
+                continue
+            self.pipelined_backward(windows, stage_pass.ops, units[stage_pass.stage])
+            backwards_left[stage_pass.stage] -= 1
+            if not backwards_left[stage_pass.stage]:
+                self.reduce_stage(units[stage_pass.stage], stage_pass.ops[-1])
+        end = passes[-1].ops[-1]
+        for stage in resharded_at_end:
+            self.reshard_units(units[stage], end + 1, Phase.BACKWARD)
+
+    def stage_units(self, passes: list[PipelinePass], stages: list[int]) -> dict[int, tuple[str, ...]]:
+        """Each stage's FSDP units: its decoder layers, after its root if the rank's root parameters are its (the
+        embedding on the first stage, the final norm and output layer on the last)."""
+        root_params = {self.params[name].id for name in self.units[ROOT]}
+        units: dict[int, list[str]] = {stage: [] for stage in stages}
+        for stage_pass in passes:
+            ops = self.step.ops[stage_pass.ops.start : stage_pass.ops.stop]
+            if ROOT not in units[stage_pass.stage] and any(root_params.intersection(op.inputs) for op in ops):
+                units[stage_pass.stage].insert(0, ROOT)
+            for unit in unit_windows(self.step, self.paths, stage_pass.ops):
+                if unit != ROOT and unit not in units[stage_pass.stage]:
+                    units[stage_pass.stage].append(unit)
+        order = {unit: position for position, unit in enumerate((ROOT, *self.step.structure.blocks))}
+        return {stage: tuple(sorted(found, key=order.__getitem__)) for stage, found in units.items()}
+
+    def reshard_units(self, units: tuple[str, ...], before: int, phase: Phase) -> None:
+        """RESHARD: free the units' unsharded parameters."""
+        for unit in units:
+            if unit in self.unsharded:
+                reshard = self.rw.before(before, "fsdp.reshard", unit, phase)
+                for storage_id in self.unsharded.pop(unit):
+                    self.rw.retime(storage_id, last=reshard)
+
+    def reduce_stage(self, units: tuple[str, ...], end: int) -> None:
+        """``perform_reduce_grad``: each unit's post-backward with reduction, then the final callback, which drops
+        the held reduce-scatter input."""
+        for unit in units:
             self.reduce_accumulated(unit, end)
         finalize = self.rw.after(end, "fsdp.finalize_backward", ROOT, Phase.BACKWARD)
         if self.held_reduce_input is not None:
             self.rw.retime(self.held_reduce_input, last=finalize)
             self.held_reduce_input = None
 
-    def pipelined_forward(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> None:
-        """Each unit gathers unless it is still unsharded; the non-root units reshard after forward when
-        ``reshard_after_forward``. The last flat buffer gathered is freed by the root's post-forward, which runs
-        when the stage's module returns (before the schedule computes the loss on the last stage)."""
+    def pipelined_forward(self, windows: dict[str, dict[Phase, tuple[int, int]]], units: tuple[str, ...]) -> None:
+        """Each of the stage's ``units`` gathers unless it is still unsharded; the non-root units reshard after
+        forward when ``reshard_after_forward``. The last flat buffer gathered is freed by the root's post-forward,
+        which runs when the stage's module returns (before the schedule computes the loss on the last stage)."""
         held = None
-        for unit in (ROOT, *self.step.structure.blocks):
+        for unit in units:
             if Phase.FORWARD not in windows.get(unit, {}):
                 continue
             first, last = windows[unit][Phase.FORWARD]
@@ -311,25 +384,29 @@ class _Fsdp:
                 for storage_id in self.unsharded.pop(unit):
                     self.rw.retime(storage_id, last=reshard)
         if held is not None:
-            end = self._module_forward_end(windows[ROOT][Phase.FORWARD])
+            end = self._module_forward_end(windows)
             self.rw.retime(held, last=self.rw.after(end, "fsdp.root_post_forward", ROOT, Phase.FORWARD))
 
-    def _module_forward_end(self, window: tuple[int, int]) -> int:
-        """The last op the stage's module runs in a forward window of the root: the output layer's on the last
-        stage, whose loss the schedule computes after the module has returned."""
+    def _module_forward_end(self, windows: dict[str, dict[Phase, tuple[int, int]]]) -> int:
+        """The last op the stage's module runs in a forward: the output layer's on the last stage, whose loss the
+        schedule computes after the module has returned; else the pass's last."""
+        last = max(spans[Phase.FORWARD][1] for spans in windows.values() if Phase.FORWARD in spans)
         output = self.step.structure.output_embedding
-        if output:
-            ops = range(window[0], window[1] + 1)
-            return max((i for i in ops if within(self.step.ops[i].module, output)), default=window[1])
-        return window[1]
+        if output and Phase.FORWARD in windows.get(ROOT, {}):
+            first, root_last = windows[ROOT][Phase.FORWARD]
+            outputs = (i for i in range(first, root_last + 1) if within(self.step.ops[i].module, output))
+            return max(outputs, default=last)
+        return last
 
-    def pipelined_backward(self, windows: dict[str, dict[Phase, tuple[int, int]]], ops: range) -> None:
+    def pipelined_backward(
+        self, windows: dict[str, dict[Phase, tuple[int, int]]], ops: range, units: tuple[str, ...]
+    ) -> None:
         """Units resharded after forward gather again, each prefetching the next in backward order that is
         sharded; none reshards or reduces. Under a mixed-precision policy each unit's post-backward moves the
         low-precision gradient autograd made into the float32 accumulated one (made at the step's first
         backward, added into at later ones)."""
-        units = (ROOT, *reversed(self.step.structure.blocks))
-        order = [unit for unit in units if Phase.BACKWARD in windows.get(unit, {})]
+        order = [unit for unit in (ROOT, *reversed(units)) if unit in units and Phase.BACKWARD in windows.get(unit, {})]
+        order = list(dict.fromkeys(order))
         end = max(windows[unit][Phase.BACKWARD][1] for unit in order)  # the root's post-backward runs last
         prefetched: dict[str, int] = {}
         for position, unit in enumerate(order):

@@ -16,7 +16,7 @@ from strategies.collectives import recorded, ring_exchanges, token_exchanges
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
-from strategies.pipeline import SCHEDULES, PipelineParallel
+from strategies.pipeline import LOOPED, SCHEDULES, PipelineParallel, interleaved_rounds, rank_stages
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.context_parallel import local_length
@@ -51,6 +51,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: as many as stages
     pp_split: tuple[int, ...] | None = None  # decoder layers per pipeline stage; None: even
+    pp_stages_per_rank: int | None = None  # stages each pipeline rank holds; None: 2 if the schedule loops, else 1
     zero: int = 0
     engine: str = "fsdp"
     sequence_parallel: bool = False
@@ -104,21 +105,25 @@ class Layout:
     def _check_pipeline(self) -> None:
         if self.pp_schedule not in SCHEDULES:
             raise UserError(
-                f"--pp-schedule {self.pp_schedule!r} is not modelled: use one of {', '.join(SCHEDULES)} (interleaved "
-                "1F1B and zero-bubble schedules are not modelled yet)."
+                f"--pp-schedule {self.pp_schedule!r} is not modelled: use one of {', '.join(SCHEDULES)} (zero-bubble "
+                "schedules are not modelled yet)."
             )
         if self.microbatches is not None and self.microbatches < 1:
             raise UserError(f"--microbatches must be at least 1 (got {self.microbatches}).")
         if self.pp == 1:
-            if self.microbatches is not None or self.pp_schedule != "1f1b" or self.pp_split is not None:
+            given = (self.microbatches, self.pp_split, self.pp_stages_per_rank)
+            if any(value is not None for value in given) or self.pp_schedule != "1f1b":
                 raise UserError(
-                    "--microbatches, --pp-schedule and --pp-split apply to pipeline parallelism: add --pp 2 or more."
+                    "--microbatches, --pp-schedule, --pp-split and --stages-per-rank apply to pipeline parallelism: "
+                    "add --pp 2 or more."
                 )
             return
-        if self.pp_split is not None and (len(self.pp_split) != self.pp or min(self.pp_split) < 1):
+        self._check_stages_per_rank()
+        stages = self.pp * self.stages_per_rank
+        if self.pp_split is not None and (len(self.pp_split) != stages or min(self.pp_split) < 1):
             raise UserError(
-                f"--pp-split gives each of the --pp {self.pp} stages its decoder layers, at least one: {self.pp} "
-                f"counts, e.g. --pp-split {','.join(['8'] * self.pp)} (got {','.join(map(str, self.pp_split))})."
+                f"--pp-split gives each of the {stages} pipeline stages its decoder layers, at least one: {stages} "
+                f"counts, e.g. --pp-split {','.join(['8'] * stages)} (got {','.join(map(str, self.pp_split))})."
             )
         if self.engine == "deepspeed":
             raise UserError(
@@ -132,6 +137,26 @@ class Layout:
             raise UserError(
                 f"--pp-schedule 1f1b needs at least as many microbatches as stages (Schedule1F1B refuses fewer): "
                 f"--microbatches {self.pp} or more, or --pp-schedule gpipe."
+            )
+
+    def _check_stages_per_rank(self) -> None:
+        looped = self.pp_schedule in LOOPED
+        if self.pp_stages_per_rank is not None and not looped and self.pp_stages_per_rank != 1:
+            raise UserError(
+                f"--stages-per-rank applies to --pp-schedule {' or '.join(LOOPED)}; {self.pp_schedule} runs one "
+                "stage per rank."
+            )
+        if looped and self.stages_per_rank < 2:
+            raise UserError(
+                f"--pp-schedule {self.pp_schedule} loops over several stages per rank: --stages-per-rank 2 or more "
+                "(or --pp-schedule 1f1b for one)."
+            )
+        rounds = interleaved_rounds(self.pp, self.stage_microbatches)
+        if looped and self.stage_microbatches % rounds:
+            raise UserError(
+                f"--pp-schedule {self.pp_schedule} runs the microbatches in rounds of --pp {self.pp}: "
+                f"--microbatches {self.stage_microbatches} must be a multiple of its {rounds} rounds "
+                f"(ScheduleInterleaved1F1B refuses it), e.g. --microbatches {rounds * self.pp}."
             )
 
     def _check_offload(self) -> None:
@@ -161,6 +186,17 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages each rank holds: as given, else 2 under a looped schedule (interleaved 1F1B), else 1."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule in LOOPED else 1
+
+    def rank_stages(self, rank: Rank) -> list[int]:
+        """The pipeline stages ``rank`` holds (its pipeline rank's; stage 0 without pipeline parallelism)."""
+        return rank_stages(self.pp, rank.pp, self.stages_per_rank)
+
+    @property
     def stage_microbatches(self) -> int:
         """Microbatches per pipeline step: as given, else one per stage."""
         return self.microbatches or self.pp
@@ -178,7 +214,8 @@ class Layout:
         if self.cp > 1:
             parts.append(f"context parallel {self.cp}")
         if self.pp > 1:
-            schedule = f"{self.pp_schedule}, {self.stage_microbatches} microbatches"
+            per_rank = f", {self.stages_per_rank} stages per rank" if self.stages_per_rank > 1 else ""
+            schedule = f"{self.pp_schedule}{per_rank}, {self.stage_microbatches} microbatches"
             split = f", layers {'+'.join(map(str, self.pp_split))}" if self.pp_split else ""
             parts.append(f"pipeline parallel {self.pp} ({schedule}{split})")
         if self.tp > 1:
@@ -265,7 +302,7 @@ class PreparedLayout:
         if self.pipeline is None:
             stages = [0]
         else:
-            stages = self.pipeline.dominant_stages(step) if dominant else range(self.pipeline.stages)
+            stages = self.pipeline.dominant_ranks(step) if dominant else range(self.pipeline.ranks)
         tensor = self.tensor.distinct_ranks(step) if self.tensor else [0]
         data = self.data.distinct_ranks(step) if self.data else [0]
         return [Rank(dp=d, tp=t, pp=p) for p in stages for d in data for t in tensor]
@@ -344,7 +381,9 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
         )
     pipeline = None
     if layout.pp > 1:
-        pipeline = PipelineParallel(layout.pp, layout.pp_schedule, layout.stage_microbatches, layout.pp_split)
+        pipeline = PipelineParallel(
+            layout.pp, layout.pp_schedule, layout.stage_microbatches, layout.pp_split, layout.stages_per_rank
+        )
         pipeline.check(setup, config)
     data = data_parallel(layout)
     traced, recipe = data.traced_setup(setup) if data is not None else (setup, None)

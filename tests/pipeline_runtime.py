@@ -1,8 +1,8 @@
-"""PyTorch's pipeline-parallel runtime, ``torch.distributed.pipelining`` (``PipelineStage`` with ``ScheduleGPipe``
-or ``Schedule1F1B``), run for one stage of P on CPU with a fake process group: the reference the per-stage
-estimate is checked against. Real CPU tensors, every storage counted by the project's recorder from before the
-step (parameters, optimizer states, the batch and the stage's receive buffers) to its last reference, the third
-step measured; torch's MemTracker and a run under FakeTensorMode count the same bytes.
+"""PyTorch's pipeline-parallel runtime, ``torch.distributed.pipelining`` (``PipelineStage`` with ``ScheduleGPipe``,
+``Schedule1F1B`` or ``ScheduleInterleaved1F1B``), run for one rank of P on CPU with a fake process group: the
+reference the per-rank estimate is checked against. Real CPU tensors, every storage counted by the project's
+recorder from before the step (parameters, optimizer states, the batch and the stages' receive buffers) to its last
+reference, the third step measured; torch's MemTracker and a run under FakeTensorMode count the same bytes.
 
 The model is split as torchtitan splits its Llama (``pipeline_llama_manual_split``): contiguous layers, the first
 stages taking one more; stage 0 also holds the token embedding, the last the final norm and the lm_head. Each
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -36,7 +36,7 @@ from transformers.masking_utils import create_causal_mask
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank
-from strategies.pipeline import layer_split
+from strategies.pipeline import LOOPED, layer_split
 from strategies.tensor_parallel import megatron_plan
 from tracer.baseline import register_baseline
 from tracer.graph import StepGraph, build_graph
@@ -49,7 +49,7 @@ from tracer.step import TrainingStep, build_optimizer, make_token_batch, optimiz
 from tracer.trace import ModelStructure
 from tracer.training import TrainingSetup
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
 class _Stage(nn.Module):
@@ -219,14 +219,16 @@ def _parallelize(
 
 
 def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
-    """Peak tensor bytes of ``rank`` (its stage ``rank.pp`` of ``layout.pp``, composed with the layout's tensor and
+    """Peak tensor bytes of ``rank`` (its stages, ``layout.rank_stages(rank)``, composed with the layout's tensor and
     data parallelism) over its third step of ``layout.stage_microbatches`` microbatches of ``setup.batch_size``
     (``schedule.step``, then the optimizer's step and ``zero_grad``)."""
     config = model.config
-    stages, stage, mbs = layout.pp, rank.pp, layout.stage_microbatches
-    first, last = stage == 0, stage == stages - 1
+    ranks, mbs = layout.pp, layout.stage_microbatches
+    stage_count = ranks * layout.stages_per_rank
+    stages = layout.rank_stages(rank)
+    first, last = 0 in stages, stage_count - 1 in stages
     with fake_process_group(layout.gpus, rank.global_rank(layout)), _as_a_real_run():
-        mesh = init_device_mesh("cpu", (stages, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh("cpu", (ranks, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(0)
         sharded_mixed = layout.zero >= 2 and layout.dp > 1 and setup.mixed_precision is not None
         if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
@@ -236,41 +238,51 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
         # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
         dtype = torch.bfloat16 if sharded_mixed else next(causal_lm.parameters()).dtype
         model_loss = causal_lm.loss_function  # transformers' ForCausalLMLoss: shifts the labels itself
-        layers = layer_split(config.num_hidden_layers, stages, layout.pp_split)[stage]
-        module = _Stage(causal_lm, layers, first, last)
+        split = layer_split(config.num_hidden_layers, stage_count, layout.pp_split)
+        modules = nn.ModuleDict(
+            {str(stage): _Stage(causal_lm, split[stage], stage == 0, stage == stage_count - 1) for stage in stages}
+        )
         del causal_lm
         gc.collect()
-        structure = _stage_structure(model, layers, first, last)
-        wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, sharded_mixed)
-        module.autocast = setup.autocast_dtype
+        pipelines, stage_buckets = [], []  # DDP's buckets, filled as each stage's reducer runs
         shape = (setup.batch_size, setup.seq_len)
-        inputs = (
-            torch.empty(shape, dtype=torch.long, device="meta")
-            if first
-            else torch.empty(*shape, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        )
-        width = config.vocab_size if last else config.hidden_size
-        outputs = torch.empty(*shape, width, dtype=dtype, device="meta", requires_grad=True)
-        pipeline = PipelineStage(
-            wrapped,
-            stage,
-            stages,
-            torch.device("cpu"),
-            input_args=inputs,
-            output_args=outputs,
-            group=mesh["pp"].get_group(),
-        )
+        for stage in stages:
+            module = modules[str(stage)]
+            structure = _stage_structure(model, split[stage], stage == 0, stage == stage_count - 1)
+            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, sharded_mixed)
+            stage_buckets.append(buckets)
+            module.autocast = setup.autocast_dtype
+            inputs = (
+                torch.empty(shape, dtype=torch.long, device="meta")
+                if stage == 0
+                else torch.empty(*shape, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+            )
+            width = config.vocab_size if stage == stage_count - 1 else config.hidden_size
+            outputs = torch.empty(*shape, width, dtype=dtype, device="meta", requires_grad=True)
+            pipelines.append(
+                PipelineStage(
+                    wrapped,
+                    stage,
+                    stage_count,
+                    torch.device("cpu"),
+                    input_args=inputs,
+                    output_args=outputs,
+                    group=mesh["pp"].get_group(),
+                )
+            )
         if layout.zero == 1:
             optimizer_class, arguments = optimizer_recipe(setup)
-            params = [p for p in module.parameters() if p.requires_grad]
+            params = [p for p in modules.parameters() if p.requires_grad]
             optimizer = ZeroRedundancyOptimizer(params, optimizer_class, mesh["dp"].get_group(), **arguments)
         else:
-            optimizer = build_optimizer(module, setup, foreach=None)
+            optimizer = build_optimizer(modules, setup, foreach=None)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return model_loss(logits=logits, labels=labels, vocab_size=config.vocab_size) / mbs
 
-        schedule_run = SCHEDULES[layout.pp_schedule](pipeline, n_microbatches=mbs, loss_fn=loss_fn, scale_grads=False)
+        schedule_class = SCHEDULES[layout.pp_schedule]
+        stage_or_stages = pipelines if layout.pp_schedule in LOOPED else pipelines[0]
+        schedule_run = schedule_class(stage_or_stages, n_microbatches=mbs, loss_fn=loss_fn, scale_grads=False)
         whole = dataclasses.replace(setup, batch_size=setup.batch_size * mbs)  # every rank loads the whole batch
         batch = make_token_batch(config.vocab_size, whole, "cpu")
 
@@ -286,11 +298,11 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
 
         step()
         step()
-        recorder = _LocalStorageRecorder(ModuleScope(module), device_type="cpu")
-        names = {id(param): name for name, param in module.named_parameters()}
-        for name, param in module.named_parameters():
+        recorder = _LocalStorageRecorder(ModuleScope(modules), device_type="cpu")
+        names = {id(param): name for name, param in modules.named_parameters()}
+        for name, param in modules.named_parameters():
             recorder.track_existing(param, Role.PARAMETER, name)
-        for name, buffer in module.named_buffers():
+        for name, buffer in modules.named_buffers():
             recorder.track_existing(buffer, Role.BUFFER, name)
         states = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
         for param, state in states.items():
@@ -298,9 +310,11 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
                 recorder.track_existing(value, Role.OPTIMIZER_STATE, f"{names[id(param)]}.{key}", names[id(param)])
         recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
         recorder.track_existing(batch.labels, Role.INPUT, "labels")
-        for index, buffer in buckets.items():
-            recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index}")
-        for index, buffer in enumerate(_receive_buffers(pipeline)):
+        for stage, buckets in zip(stages, stage_buckets, strict=True):
+            for index, buffer in buckets.items():
+                recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index} of stage {stage}")
+        received = [buffer for pipeline in pipelines for buffer in _receive_buffers(pipeline)]
+        for index, buffer in enumerate(received):
             recorder.track_existing(buffer, Role.COMMUNICATION, f"receive buffer {index}")
         with recorder.recording():
             step(recorder.enter)

@@ -236,11 +236,34 @@ def test_pipeline_makespan_is_the_textbook_bubble(schedule, stages, microbatches
     """Equal stages, nothing in flight between them: both schedules take (M + P - 1) forward-and-backward times,
     the bubble (P - 1) of them (GPipe, arXiv 1811.06965; 1F1B, PipeDream-Flush)."""
     forward, backward = 1.0, 2.0
+    layout = Layout(gpus=stages, pp=stages, pp_schedule=schedule, microbatches=microbatches)
     durations = [
-        {(kind, mb): forward if kind == "F" else backward for kind in "FB" for mb in range(microbatches)}
-    ] * stages
-    makespan = schedule_makespan(schedule, durations, [0.0] * stages, microbatches)
+        {(kind, rank, mb): forward if kind == "F" else backward for kind in "FB" for mb in range(microbatches)}
+        for rank in range(stages)
+    ]
+    makespan = schedule_makespan(layout, durations, [0.0] * stages)
     assert makespan == pytest.approx((microbatches + stages - 1) * (forward + backward))
+
+
+@pytest.mark.parametrize(("ranks", "per_rank", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 4, 6)])
+def test_interleaved_makespan_divides_the_bubble_by_the_stages_per_rank(ranks, per_rank, microbatches):
+    """Interleaved 1F1B with V stages per rank, each 1/V of a rank's work: the bubble shrinks to (P - 1) / V
+    forward-and-backward times (Narayanan et al., arXiv 2104.04473, section 2.2.2)."""
+    forward, backward = 1.0, 2.0
+    layout = Layout(
+        gpus=ranks, pp=ranks, pp_schedule="interleaved-1f1b", microbatches=microbatches, pp_stages_per_rank=per_rank
+    )
+    durations = [
+        {
+            (kind, stage, mb): (forward if kind == "F" else backward) / per_rank
+            for kind in "FB"
+            for stage in range(rank, ranks * per_rank, ranks)
+            for mb in range(microbatches)
+        }
+        for rank in range(ranks)
+    ]
+    makespan = schedule_makespan(layout, durations, [0.0] * ranks)
+    assert makespan == pytest.approx((microbatches + (ranks - 1) / per_rank) * (forward + backward))
 
 
 def test_pipeline_layouts_are_planned_with_their_bubble():
