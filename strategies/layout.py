@@ -412,16 +412,22 @@ CONTEXT_PARALLEL_TRAINING = (
     "torch's context_parallel as torchtitan runs it: each sequence split over {cp} GPUs, load balanced (two of "
     "2 x {cp} chunks, {local} tokens, each), every attention a ring (the key and value all-gathered, the flash kernel "
     "block by block, merged in float32; the key/value gradients passed around by all-to-all); the busiest GPU, the "
-    "first, is the one traced; parameters replicated or sharded over the data-parallel x context-parallel GPUs"
+    "first, is the one traced; parameters replicated or sharded over the data-parallel x context-parallel GPUs (with "
+    "--tp, its DTensor slice sharded by FSDP2)"
 )
 
 
 def _context_parallel(layout: Layout, setup: TrainingSetup) -> int:
     """Refuse what context parallelism is not modelled with (each by name), else the tokens each rank holds."""
-    if layout.tp > 1 or layout.pp > 1 or layout.ep > 1:
+    if layout.pp > 1 or layout.ep > 1:
+        raise UserError("--cp with --pp or --ep is not modelled yet (not checked against a runtime): drop one of them.")
+    if layout.tp > 1 and layout.zero < 2:
         raise UserError(
-            "--cp with --tp, --pp or --ep is not modelled yet (not checked against a runtime): drop one of them."
+            "--cp with --tp is modelled with FSDP2 over the data- and context-parallel GPUs, as torchtitan composes "
+            "them: add --zero 2 or 3 (DDP over tensor-parallel DTensors has no runtime here to check it against)."
         )
+    if layout.sequence_parallel:
+        raise UserError("--cp with --sequence-parallel is not modelled yet (not checked against a runtime).")
     if layout.engine == "deepspeed" or layout.offload:
         raise UserError("--cp is torch's context_parallel: use --engine fsdp (DDP or FSDP2) without --offload.")
     if setup.attn == "eager":

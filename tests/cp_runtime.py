@@ -12,24 +12,27 @@ recorder, which reads through the collectives' async wrappers), the third step m
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from pipeline_runtime import recorded_third_step
-from runtimes import data_parallel, fake_process_group, reshard_argument
+from runtimes import data_parallel, dtensor_plan, fake_process_group, reshard_argument
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental._context_parallel._attention import (
     _templated_ring_attention,
     _templated_ring_attention_backward,
 )
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout
+from strategies.tensor_parallel import megatron_plan
 from tracer.context_parallel import local_length
-from tracer.modules import decoder_blocks
+from tracer.modules import decoder_blocks, model_structure
 from tracer.resolve import Model
 from tracer.training import TrainingSetup
 
@@ -80,18 +83,23 @@ class _RingDispatch(TorchDispatchMode):
 
 def context_parallel_peak(model: Model, setup: TrainingSetup, layout: Layout) -> int:
     """Peak tensor bytes of the first rank of ``layout`` (context-parallel rank 0, the busiest) over its third step
-    on its ``setup.seq_len / cp`` tokens, its parameters replicated (DDP) or sharded (FSDP2, a bf16
-    MixedPrecisionPolicy for --mixed-precision) over the data-parallel x context-parallel ranks, as torchtitan's
-    dp_shard_cp mesh shards them."""
+    on its ``setup.seq_len / cp`` tokens: its modules split by DTensor tensor parallelism over ``layout.tp`` GPUs
+    (the lm_head's logits left sharded and the loss computed under ``loss_parallel`` unless ``tp_output`` gathers
+    them), its parameters replicated (DDP) or sharded (FSDP2, a bf16 MixedPrecisionPolicy for --mixed-precision)
+    over the data-parallel x context-parallel ranks, as torchtitan's dp_shard_cp mesh shards them."""
     local = dataclasses.replace(setup, seq_len=local_length(setup.seq_len, layout.cp))
     sharded = layout.zero >= 2
     if sharded and local.mixed_precision is not None:  # FSDP2's MixedPrecisionPolicy over float32 weights
         local = dataclasses.replace(local, mixed_precision=None)
     with fake_process_group(layout.gpus, 0):
-        mesh = init_device_mesh("cpu", (layout.dp, layout.cp), mesh_dim_names=("dp", "cp"))
-        replicas = init_device_mesh("cpu", (layout.replicas,))
+        mesh = init_device_mesh("cpu", (layout.dp, layout.cp, layout.tp), mesh_dim_names=("dp", "cp", "tp"))
+        replicas = mesh["dp", "cp"]._flatten("dp_cp")
         torch.manual_seed(0)
         net = model.build(local)
+        if layout.tp > 1:
+            structure = model_structure(net)
+            plan = megatron_plan(structure, layout.tp, 0, gathered_output=layout.tp_output == "gathered")
+            parallelize_module(net, mesh["tp"], dtensor_plan(plan, net))
         buckets: dict[int, torch.Tensor] = {}
         wrapped = net
         if sharded:
@@ -104,5 +112,13 @@ def context_parallel_peak(model: Model, setup: TrainingSetup, layout: Layout) ->
             fully_shard(net, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
         elif layout.replicas > 1:
             wrapped, buckets = data_parallel(net, replicas.get_group())
-        ring = partial(_RingDispatch, mesh["cp"].get_group())
-        return find_peak(timeline(recorded_third_step(model, local, net, wrapped, buckets, ring), rounded=False)).bytes
+        parallel_loss = layout.tp > 1 and layout.tp_output == "parallel"
+        ring_group = mesh["cp"].get_group()
+
+        @contextmanager
+        def around() -> Iterator[None]:
+            with _RingDispatch(ring_group), loss_parallel() if parallel_loss else nullcontext():
+                yield
+
+        step = recorded_third_step(model, local, net, wrapped, buckets, around)
+        return find_peak(timeline(step, rounded=False)).bytes

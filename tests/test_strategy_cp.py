@@ -19,15 +19,16 @@ from tracer.training import LoraSetup, Target, TrainingSetup
 
 TOLERANCE = 0.01  # as tests/test_strategy_*.py
 MODEL = tiny_model("llama", num_hidden_layers=4, vocab_size=32)
+SPLITTABLE = tiny_model("llama", num_hidden_layers=4, vocab_size=32, num_attention_heads=8, num_key_value_heads=8)
 SLOW = pytest.mark.slow
 
 
-def _check(layout: Layout, **options) -> None:
+def _check(layout: Layout, model=MODEL, **options) -> None:
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=64, **options)
-    prepared = prepare(layout, setup, MODEL.config)
-    step = prepared.rank_step(build_graph(trace_step(MODEL, prepared.traced)), Rank())
+    prepared = prepare(layout, setup, model.config)
+    step = prepared.rank_step(build_graph(trace_step(model, prepared.traced)), Rank())
     estimate = find_peak(timeline(step, rounded=False)).bytes
-    runtime = context_parallel_peak(MODEL, setup, layout)
+    runtime = context_parallel_peak(model, setup, layout)
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
@@ -60,6 +61,25 @@ def test_first_rank_matches_torch_ring_attention(layout, options):
     _check(layout, **options)
 
 
+@pytest.mark.parametrize(
+    ("layout", "options"),
+    [
+        (Layout(gpus=4, cp=2, tp=2, zero=3), {}),
+        pytest.param(Layout(gpus=4, cp=2, tp=2, zero=2), {"mixed_precision": "bf16"}, marks=SLOW),
+        pytest.param(Layout(gpus=4, cp=2, tp=2, zero=3, tp_output="gathered"), {}, marks=SLOW),
+        pytest.param(Layout(gpus=8, cp=2, tp=4, zero=3), {"mixed_precision": "bf16"}, marks=SLOW),
+        pytest.param(Layout(gpus=8, cp=4, tp=2, zero=3), {}, marks=SLOW),
+        pytest.param(Layout(gpus=8, cp=2, tp=2, zero=2), {}, marks=SLOW),
+        pytest.param(Layout(gpus=4, cp=2, tp=2, zero=3), {"grad_checkpointing": "full"}, marks=SLOW),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_with_tensor_parallelism_matches_torch(layout, options):
+    """torchtitan's cp x tp mesh: DTensor slices each rank's heads and MLP, the ring runs over the rank's heads,
+    FSDP2 shards the slices over the data- and context-parallel GPUs."""
+    _check(layout, SPLITTABLE, **options)
+
+
 def test_report_states_the_ring_and_the_local_tokens():
     report = analyze(MODEL, TrainingSetup(batch_size=1, seq_len=64), Layout(gpus=4, cp=4, zero=3))
     assert report.setup.seq_len == 64  # the sequence the user asked for; each rank traced on its 16 tokens
@@ -70,7 +90,8 @@ def test_report_states_the_ring_and_the_local_tokens():
 @pytest.mark.parametrize(
     ("layout", "options", "message"),
     [
-        ({"gpus": 4, "cp": 2, "tp": 2}, {}, "--cp with --tp, --pp or --ep"),
+        ({"gpus": 4, "cp": 2, "pp": 2}, {}, "--cp with --pp or --ep"),
+        ({"gpus": 4, "cp": 2, "tp": 2}, {}, "add --zero 2 or 3"),
         ({"gpus": 4, "cp": 2, "zero": 3, "engine": "deepspeed"}, {}, "use --engine fsdp"),
         ({"gpus": 2, "cp": 2}, {"seq_len": 30}, "must be a multiple of 4"),
         ({"gpus": 2, "cp": 2}, {"attn": "eager"}, "drop --attn eager"),
