@@ -105,6 +105,7 @@ def candidates(
     experts = routed_experts(model.config) if model.config is not None else None
     layouts: list[Layout] = []
     skipped: list[str] = []
+    tensor_degrees = []
     for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
         if tp > cluster.gpus_per_node:
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
@@ -117,12 +118,13 @@ def candidates(
         except UserError as error:
             skipped.append(f"tensor parallel {tp}: {error}")
             continue
+        tensor_degrees.append(tp)
         if pipeline != "only":
             layouts += _data_parallel_layouts(gpus, tp, offload)
         if pipeline in ("on", "only") and layers is not None:
             layouts += _pipeline_layouts(gpus, tp, layers)
     if setup.seq_len >= CONTEXT_PARALLEL_FROM and pipeline != "only":
-        layouts += _context_parallel_layouts(gpus, setup.seq_len)
+        layouts += _context_parallel_layouts(gpus, setup.seq_len, tensor_degrees)
     if experts and pipeline != "only":
         expert_parallel, wide = _expert_parallel_layouts(gpus, experts, cluster.gpus_per_node, routing_imbalance)
         layouts += expert_parallel
@@ -139,11 +141,12 @@ def candidates(
     return chosen, skipped
 
 
-def _context_parallel_layouts(gpus: int, seq_len: int) -> list[Layout]:
-    """Long sequences split over 2 to 8 GPUs by torch's context_parallel, the parameters sharded over all of them
-    (FSDP2, as torchtitan shards over its dp_shard x cp mesh)."""
-    degrees = (c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0)
-    return [Layout(gpus=gpus, cp=cp, zero=3) for cp in degrees]
+def _context_parallel_layouts(gpus: int, seq_len: int, tensor_degrees: list[int]) -> list[Layout]:
+    """Long sequences split over 2 to 8 GPUs by torch's context_parallel, alone or with each tensor-parallel degree
+    the model takes, the parameters sharded over the data- and context-parallel GPUs (FSDP2, as torchtitan shards
+    over its dp_shard x cp mesh)."""
+    degrees = [c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0]
+    return [Layout(gpus=gpus, cp=cp, tp=tp, zero=3) for tp in tensor_degrees for cp in degrees if gpus % (cp * tp) == 0]
 
 
 def _expert_parallel_layouts(

@@ -303,15 +303,15 @@ def test_the_dominant_stages_hold_the_busiest(layout):
 
 
 def test_long_sequences_are_planned_with_context_parallelism():
-    """From 16k tokens the planner adds context-parallel layouts (FSDP2 over the dp x cp GPUs), whose reports are
-    analyze's and whose step time prices the ring's exchanges."""
+    """From 16k tokens the planner adds context-parallel layouts (FSDP2 over the dp x cp GPUs), alone and with tensor
+    parallelism, whose reports are analyze's and whose step time prices the ring's exchanges."""
     model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=16384)
     setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=8 * 1024**3)
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, setup, 4, Cluster(gpu), budget, offload=False, pipeline="off")
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.fits]
-    assert {o.candidate.layout.cp for o in ringed} == {2, 4}
+    assert {(o.candidate.layout.cp, o.candidate.layout.tp) for o in ringed} == {(2, 1), (4, 1), (2, 2)}
     for outcome in ringed:
         report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), outcome.candidate.layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
