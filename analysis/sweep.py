@@ -13,9 +13,9 @@ from tabulate import tabulate
 
 from analysis.budget import MemoryBudget
 from analysis.device_map import estimate_device_map
-from analysis.estimate import analyze
+from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.report import MemoryReport
-from strategies.layout import Layout
+from strategies.layout import Layout, prepare
 from tracer.errors import UserError
 from tracer.gpus import Gpu
 from tracer.resolve import Model
@@ -90,14 +90,22 @@ def run_sweep(
     gpu: Gpu | None,
     on_point: Callable[[int, int, dict[str, int]], None] = lambda done, total, values: None,
 ) -> Sweep:
-    """One estimate per combination of the axes' values (each one a trace of its own)."""
+    """One estimate per combination of the axes' values. A training step is traced once per sequence length, at
+    batch sizes 2 and 3 (and 1 when swept), and every other batch size is read off the line through them, as the
+    planner reads it (analysis/batch_line.py); other points are traced each."""
     combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    sources: dict[TrainingSetup, StepSource] = {}
     points = []
     for done, values in enumerate(combinations):
         on_point(done, len(combinations), values)
         point_setup = dataclasses.replace(setup, **{AXES[name]: value for name, value in values.items()})
         if point_setup.device_map is not None:
             report = estimate_device_map(model, point_setup).report
+        elif point_setup.mode == "train":
+            prepared = prepare(layout, point_setup, model.config)
+            key = dataclasses.replace(prepared.traced, batch_size=1)
+            source = sources.setdefault(key, StepSource(model, key, lines=True))
+            report = LayoutEstimate(model.model_id, prepared, source).evaluate(point_setup.batch_size).report
         else:
             report = analyze(model, point_setup, layout)
         points.append(SweepPoint(values, report))

@@ -16,6 +16,7 @@ from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
 from analysis.plan import Candidate, _largest_fitting, candidates, plan
 from analysis.steptime import Cluster, schedule_makespan, step_time
+from analysis.sweep import run_sweep
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
 from tracer.gpus import find_gpu
@@ -110,6 +111,31 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
         checked += 1
     assert checked >= 10
     assert any(o.micro_batch > 3 for o in result.outcomes)  # batches off the line were chosen, not only traced ones
+
+
+def test_training_sweep_reads_batch_sizes_off_the_line(monkeypatch):
+    """``analyze --sweep`` uses the planner's machinery: each sequence length is traced at batch sizes 1, 2 and 3
+    only, every other batch size read off the line, and each point is analyze's own estimate of it (the allocator's
+    replay included)."""
+    import analysis.estimate
+
+    model = tiny_model("llama")
+    setup = TrainingSetup(mixed_precision="bf16")
+    layout = Layout(gpus=2, zero=3)
+    traced = []
+
+    def counted(model, setup, progress=None):
+        traced.append(setup.batch_size)
+        return trace_step(model, setup, progress)
+
+    monkeypatch.setattr(analysis.estimate, "trace_step", counted)
+    sweep = run_sweep(model, setup, layout, {"seq-len": (16, 32), "batch": (1, 4, 7)}, find_gpu("h100"))
+    assert sorted(traced) == [1, 1, 2, 2, 3, 3]
+    monkeypatch.undo()
+    for point in sweep.points:
+        single = dataclasses.replace(setup, seq_len=point.values["seq-len"], batch_size=point.values["batch"])
+        expected = analyze(model, single, layout)
+        assert (point.report.peak_bytes, point.report.reserved_bytes) == (expected.peak_bytes, expected.reserved_bytes)
 
 
 def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
