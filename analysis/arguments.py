@@ -160,7 +160,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     parser.add_argument("model", metavar="MODEL", help="a model id (bundled, cached) or a config.json")
-    parser.add_argument("--engine", choices=("vllm",), default="vllm", help="the serving engine (default vllm)")
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the serving engine (default vllm); sglang reads --tensor-parallel-size, --mem-fraction-static, "
+        "--kv-cache-dtype, --dtype and --non-torch-memory",
+    )
     parser.add_argument("--gpu", default="h100", help="GPU kind from `python -m tracer gpus` (default h100)")
     parser.add_argument(
         "--gpu-memory",
@@ -176,6 +182,13 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         type=rate,
         default=DEFAULT_GPU_MEMORY_UTILIZATION,
         help=f"share of the GPU's memory vLLM may use (default {DEFAULT_GPU_MEMORY_UTILIZATION})",
+    )
+    parser.add_argument(
+        "--mem-fraction-static",
+        type=rate,
+        default=None,
+        help="SGLang's share of the free memory for the weights and the KV pool (default: SGLang v0.4.x's for the "
+        "tensor-parallel degree, 0.88 to 0.79)",
     )
     parser.add_argument(
         "--max-model-len", type=count(maximum=MAX_SEQ_LEN), default=None, help="longest request (default: the model's)"
@@ -219,7 +232,8 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--non-torch-memory",
         default="0",
         metavar="SIZE",
-        help="what your log's 'non_torch_memory takes' says (NCCL, cuBLAS workspaces); not predicted (default 0)",
+        help="what your log's 'non_torch_memory takes' says (NCCL, cuBLAS workspaces); for SGLang, the total less "
+        "its 'Load weight begin. avail mem'; not predicted (default 0)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the report")
 

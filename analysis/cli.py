@@ -170,6 +170,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tracer.units import parse_bytes
 
     memory = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else find_gpu(args.gpu).memory_bytes
+    dtype = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    non_torch = parse_bytes(args.non_torch_memory, "--non-torch-memory") if args.non_torch_memory != "0" else 0
+    model = resolve_model(args.model)
+    if args.engine == "sglang":
+        return _serve_sglang(args, model, memory, dtype, non_torch)
+    if args.mem_fraction_static is not None:
+        raise UserError("--mem-fraction-static is SGLang's; vLLM's share is --gpu-memory-utilization.")
     setup = VllmSetup(
         gpu_memory_bytes=memory,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -179,13 +186,30 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=args.block_size,
-        dtype={"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype],
-        non_torch_bytes=parse_bytes(args.non_torch_memory, "--non-torch-memory") if args.non_torch_memory != "0" else 0,
+        dtype=dtype,
+        non_torch_bytes=non_torch,
         quantization=args.quantization,
     )
-    model = resolve_model(args.model)
     startup = vllm_startup(model.config, setup)
     print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))
+    return 0
+
+
+def _serve_sglang(args: argparse.Namespace, model, memory: int, dtype, non_torch: int) -> int:
+    from analysis import sglang
+
+    if args.quantization:
+        raise UserError("--quantization with --engine sglang is not modelled; serve 16-bit checkpoints.")
+    setup = sglang.SglangSetup(
+        gpu_memory_bytes=memory,
+        tensor_parallel_size=args.tensor_parallel_size,
+        mem_fraction_static=args.mem_fraction_static,
+        kv_cache_dtype=args.kv_cache_dtype,
+        dtype=dtype,
+        non_torch_bytes=non_torch,
+    )
+    startup = sglang.sglang_startup(model.config, setup)
+    print(json.dumps(sglang.startup_json(startup), indent=2) if args.json else sglang.render_startup(model, startup))
     return 0
 
 
