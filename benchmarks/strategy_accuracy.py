@@ -113,6 +113,24 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
     ):
         for stage in range(layout.pp):
             found.append(("llama", layout, Rank(pp=stage), BACKWARD_PEAK, options))
+    interleaved = {"pp_schedule": "interleaved-1f1b"}
+    for layout, options in (  # ScheduleInterleaved1F1B: every rank holds stages r, r + P, ...
+        (Layout(gpus=2, pp=2, microbatches=4, **interleaved), {}),
+        (Layout(gpus=4, pp=4, microbatches=8, **interleaved), {}),
+        (Layout(gpus=2, pp=2, microbatches=3, pp_stages_per_rank=3, **interleaved), {}),
+        (Layout(gpus=2, pp=2, microbatches=4, **interleaved), {"lora": adapters, "grad_checkpointing": "full"}),
+        (Layout(gpus=4, pp=2, microbatches=4, **interleaved), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, pp=2, zero=1, microbatches=4, **interleaved), {}),
+        (Layout(gpus=4, pp=2, zero=2, microbatches=4, **interleaved), {}),
+        (Layout(gpus=4, pp=2, zero=3, microbatches=4, **interleaved), {"mixed_precision": "bf16"}),
+        (Layout(gpus=8, pp=2, tp=2, zero=3, microbatches=4, **interleaved), {"mixed_precision": "bf16"}),
+        (
+            Layout(gpus=4, pp=2, zero=3, microbatches=4, pp_stages_per_rank=4, **interleaved),
+            {"batch_size": 1, "seq_len": 8},
+        ),
+    ):
+        for stage in range(layout.pp):
+            found.append(("llama", layout, Rank(pp=stage), BACKWARD_PEAK, options))
     context = {"num_hidden_layers": 4, "vocab_size": 32}  # the ring's buffers in the layers
     for layout, options in (  # the first rank, the busiest, against torch's ring attention (tests/cp_runtime.py)
         (Layout(gpus=2, cp=2), {}),
@@ -127,6 +145,15 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         (Layout(gpus=4, cp=2, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "full"}),
     ):
         found.append(("llama", layout, Rank(), context, options))
+    for layout, options in (  # with tensor parallelism, torchtitan's cp x tp mesh under FSDP2
+        (Layout(gpus=4, cp=2, tp=2, zero=3), {}),
+        (Layout(gpus=4, cp=2, tp=2, zero=2), {"mixed_precision": "bf16"}),
+        (Layout(gpus=8, cp=2, tp=4, zero=3), {"mixed_precision": "bf16"}),
+        (Layout(gpus=8, cp=4, tp=2, zero=3), {}),
+        (Layout(gpus=8, cp=2, tp=2, zero=2), {}),
+        (Layout(gpus=4, cp=2, tp=2, zero=3), {"grad_checkpointing": "full"}),
+    ):
+        found.append(("llama", layout, Rank(), context | SPLITTABLE, options))
     titan_adapters = LoraSetup(r=4, alpha=8, targets=("wq", "wv"))
     for layout, overrides, options in (
         (Layout(gpus=4, zero=3), {}, {"lora": titan_adapters, "grad_checkpointing": "full"}),
@@ -168,14 +195,15 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     rows, errors, start = [], [], time.time()
     for family, layout, rank, overrides, options in cases():
-        setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32, **options)
+        setup = TrainingSetup(**({"target": Target.CPU, "batch_size": 2, "seq_len": 32} | options))
         runtime = runtime_peak(_model(family, overrides), setup, layout, rank)
         predicted = estimate(family, layout, rank, overrides, setup)
         error = (predicted - runtime) / runtime
         errors.append(abs(error))
         shown = overrides | options | ({"lora": f"r{options['lora'].r}"} if "lora" in options else {})
         options_text = ", ".join(f"{k}={v}" for k, v in shown.items() if k != "num_key_value_heads")
-        where = f"dp {rank.dp}, tp {rank.tp}" + (f", stage {rank.pp}" if layout.pp > 1 else "")
+        stages = ",".join(map(str, layout.rank_stages(rank)))
+        where = f"dp {rank.dp}, tp {rank.tp}" + (f", stage {stages}" if layout.pp > 1 else "")
         rows.append((layout.describe(), family, where, options_text, runtime, predicted, f"{100 * error:+.3f}%"))
     headers = ["layout", "model", "rank", "config", "runtime bytes", "estimate bytes", "error"]
     print(tabulate(rows, headers=headers, tablefmt="github" if args.markdown else "simple"))
