@@ -17,6 +17,7 @@ import dataclasses
 import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from unittest.mock import patch
 
@@ -45,10 +46,11 @@ from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import TrainingStep, build_optimizer, make_token_batch, optimizer_recipe
+from tracer.step import Batch, TrainingStep, build_optimizer, make_token_batch, optimizer_recipe
 from tracer.trace import ModelStructure
 from tracer.training import TrainingSetup
 
+CPU = torch.device("cpu")
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
 
@@ -69,7 +71,7 @@ class _Stage(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.autocast is None:
             return self._forward(h)
-        with torch.autocast("cpu", dtype=self.autocast):
+        with torch.autocast(h.device.type, dtype=self.autocast):
             return self._forward(h)
 
     def _forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -218,22 +220,39 @@ def _parallelize(
     return ddp, buckets
 
 
-def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
-    """Peak tensor bytes of ``rank`` (its stages, ``layout.rank_stages(rank)``, composed with the layout's tensor and
-    data parallelism) over its third step of ``layout.stage_microbatches`` microbatches of ``setup.batch_size``
-    (``schedule.step``, then the optimizer's step and ``zero_grad``)."""
+@dataclass
+class PipelineRank:
+    """One pipeline rank built as torchtitan builds it, ready to step: its stages' modules, their
+    ``PipelineStage``s and DDP buckets, the optimizer over them, and the whole batch every rank loads."""
+
+    modules: nn.ModuleDict
+    pipelines: list[PipelineStage]
+    stage_buckets: list[dict[int, torch.Tensor]]  # DDP's, filled as each stage's reducer runs
+    optimizer: torch.optim.Optimizer
+    batch: Batch
+    step: Callable[..., None]  # step(on_phase): schedule.step, then the optimizer's step and zero_grad
+
+
+@contextmanager
+def pipeline_rank(
+    model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank, device: torch.device = CPU
+) -> Iterator[PipelineRank]:
+    """``rank`` of ``layout`` (its stages, ``layout.rank_stages(rank)``, composed with the layout's tensor and data
+    parallelism) on ``device``, inside a fake process group of ``layout.gpus`` ranks: each step runs
+    ``layout.stage_microbatches`` microbatches of ``setup.batch_size``."""
     config = model.config
     ranks, mbs = layout.pp, layout.stage_microbatches
     stage_count = ranks * layout.stages_per_rank
     stages = layout.rank_stages(rank)
     first, last = 0 in stages, stage_count - 1 in stages
     with fake_process_group(layout.gpus, rank.global_rank(layout)), _as_a_real_run():
-        mesh = init_device_mesh("cpu", (ranks, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = init_device_mesh(device.type, (ranks, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         torch.manual_seed(0)
         sharded_mixed = layout.zero >= 2 and layout.dp > 1 and setup.mixed_precision is not None
         if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
             setup = dataclasses.replace(setup, mixed_precision=None)
-        causal_lm = model.build(setup)
+        with device:
+            causal_lm = model.build(setup)
         causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
         # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
         dtype = torch.bfloat16 if sharded_mixed else next(causal_lm.parameters()).dtype
@@ -244,7 +263,7 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
         )
         del causal_lm
         gc.collect()
-        pipelines, stage_buckets = [], []  # DDP's buckets, filled as each stage's reducer runs
+        pipelines, stage_buckets = [], []
         shape = (setup.batch_size, setup.seq_len)
         for stage in stages:
             module = modules[str(stage)]
@@ -264,7 +283,7 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
                     wrapped,
                     stage,
                     stage_count,
-                    torch.device("cpu"),
+                    device,
                     input_args=inputs,
                     output_args=outputs,
                     group=mesh["pp"].get_group(),
@@ -284,7 +303,7 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
         stage_or_stages = pipelines if layout.pp_schedule in LOOPED else pipelines[0]
         schedule_run = schedule_class(stage_or_stages, n_microbatches=mbs, loss_fn=loss_fn, scale_grads=False)
         whole = dataclasses.replace(setup, batch_size=setup.batch_size * mbs)  # every rank loads the whole batch
-        batch = make_token_batch(config.vocab_size, whole, "cpu")
+        batch = make_token_batch(config.vocab_size, whole, device)
 
         def step(on_phase=lambda phase: None) -> None:
             on_phase(Phase.FORWARD)
@@ -296,8 +315,15 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        step()
-        step()
+        yield PipelineRank(modules, pipelines, stage_buckets, optimizer, batch, step)
+
+
+def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank) -> int:
+    """Peak tensor bytes of ``rank`` over its third step on CPU, every storage counted from before the step."""
+    with pipeline_rank(model, setup, layout, rank) as built:
+        built.step()
+        built.step()
+        modules, optimizer = built.modules, built.optimizer
         recorder = _LocalStorageRecorder(ModuleScope(modules), device_type="cpu")
         names = {id(param): name for name, param in modules.named_parameters()}
         for name, param in modules.named_parameters():
@@ -308,14 +334,15 @@ def pipeline_peak(model: ResolvedModel, setup: TrainingSetup, layout: Layout, ra
         for param, state in states.items():
             for key, value in state.items():
                 recorder.track_existing(value, Role.OPTIMIZER_STATE, f"{names[id(param)]}.{key}", names[id(param)])
-        recorder.track_existing(batch.input_ids, Role.INPUT, "input_ids")
-        recorder.track_existing(batch.labels, Role.INPUT, "labels")
-        for stage, buckets in zip(stages, stage_buckets, strict=True):
+        recorder.track_existing(built.batch.input_ids, Role.INPUT, "input_ids")
+        recorder.track_existing(built.batch.labels, Role.INPUT, "labels")
+        stages = layout.rank_stages(rank)
+        for stage, buckets in zip(stages, built.stage_buckets, strict=True):
             for index, buffer in buckets.items():
                 recorder.track_existing(buffer, Role.COMMUNICATION, f"DDP bucket {index} of stage {stage}")
-        received = [buffer for pipeline in pipelines for buffer in _receive_buffers(pipeline)]
+        received = [buffer for pipeline in built.pipelines for buffer in _receive_buffers(pipeline)]
         for index, buffer in enumerate(received):
             recorder.track_existing(buffer, Role.COMMUNICATION, f"receive buffer {index}")
         with recorder.recording():
-            step(recorder.enter)
+            built.step(recorder.enter)
         return find_peak(timeline(build_graph(recorder.trace()), rounded=False)).bytes

@@ -62,7 +62,15 @@ def test_llmem_covers_data_parallel_only():
 
 
 @pytest.mark.parametrize(
-    "layout", [{}, pytest.param({"gpus": 2, "zero": 3}, marks=pytest.mark.slow)], ids=["one-gpu", "fsdp"]
+    "layout",
+    [
+        {},
+        pytest.param({"gpus": 2, "zero": 3}, marks=pytest.mark.slow),
+        pytest.param(
+            {"gpus": 2, "pp": 2, "pp_schedule": "interleaved-1f1b", "microbatches": 2}, marks=pytest.mark.slow
+        ),
+    ],
+    ids=["one-gpu", "fsdp", "pipeline"],
 )
 def test_ground_truth_harness_runs_a_case(tmp_path, layout):
     config = tmp_path / "config.json"

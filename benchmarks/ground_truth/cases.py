@@ -30,6 +30,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "fsdp-zero3-4": {"gpus": 4, "zero": 3},
     "tp-2": {"gpus": 2, "tp": 2},
 }
+# Pipelines, measured on their first rank: a model whose output layer is not tied to its embedding (--pp refuses
+# tied ones), the first of 4 stages holding the embedding and a quarter of the layers.
+PIPELINE_MODEL = "Qwen/Qwen3-8B"
+PIPELINES: dict[str, dict[str, Any]] = {
+    "pp-4-1f1b": {"gpus": 4, "pp": 4, "microbatches": 4},
+    "pp-4-interleaved": {"gpus": 4, "pp": 4, "pp_schedule": "interleaved-1f1b", "microbatches": 4},
+    "pp-4-fsdp-zero2-8": {"gpus": 8, "pp": 4, "zero": 2, "microbatches": 4},
+}
 
 
 @dataclass(frozen=True)
@@ -71,4 +79,9 @@ def matrix(size: str) -> list[Case]:
                 continue
             name = _name(model, 2, 512, "amp-bf16", layout_name)
             cases.append(Case(model, 2, 512, SETUPS["amp-bf16"], layout, name=name))
+    for layout_name, layout in PIPELINES.items():
+        if size == "quick" and layout_name != "pp-4-1f1b":
+            continue
+        name = _name(PIPELINE_MODEL, 1, 2048, "bf16-adamw", layout_name)
+        cases.append(Case(PIPELINE_MODEL, 1, 2048, SETUPS["bf16-adamw"], layout, name=name))
     return cases

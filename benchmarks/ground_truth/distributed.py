@@ -3,8 +3,9 @@
 Each layout is built as its runtime builds it, with the same choices as the CPU references in
 tests/runtimes.py: DDP (ZeroRedundancyOptimizer for ZeRO-1), FSDP2 ``fully_shard`` on every decoder layer
 and the root (``MixedPrecisionPolicy`` for mixed precision), DTensor tensor parallelism with the Megatron
-plan the estimate assumes and ``loss_parallel()``. Collectives move no data; memory is allocated as on a
-real rank. Two warm-up steps, then the measured one.
+plan the estimate assumes and ``loss_parallel()``, and the first rank of a pipeline as
+tests/pipeline_runtime.py builds it (torch.distributed.pipelining). Collectives move no data; memory is allocated
+as on a real rank. Two warm-up steps, then the measured one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from pipeline_runtime import pipeline_rank
 from runtimes import dtensor_plan, fake_process_group
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,7 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.layout import Layout
+from strategies.layout import Layout, Rank
 from strategies.tensor_parallel import megatron_plan
 from tracer.modules import decoder_blocks, model_structure
 from tracer.resolve import ResolvedModel
@@ -41,6 +43,8 @@ def _in_place_all_reduce(state, bucket):  # unannotated: DDP checks annotations,
 def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict[str, Any], target: Target) -> dict:
     layout = Layout(**layout_flags)
     device = torch.device(target.value)
+    if layout.pp > 1:
+        return _measure_pipeline_rank0(model, setup, layout, device)
     fsdp = layout.zero >= 2 and layout.tp == 1
     run_setup = dataclasses.replace(setup, mixed_precision=None) if fsdp else setup
     with fake_process_group(layout.gpus, 0):
@@ -87,6 +91,24 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             step.run(batch)
+    return _device_memory(device)
+
+
+def _measure_pipeline_rank0(model: ResolvedModel, setup: TrainingSetup, layout: Layout, device: torch.device) -> dict:
+    """The first pipeline rank, its stages built and stepped as the CPU reference builds them
+    (tests/pipeline_runtime.py: ``PipelineStage``s under the layout's schedule, each stage under its tensor and
+    data parallelism as torchtitan composes them)."""
+    with pipeline_rank(model, setup, layout, Rank(), device) as built:
+        built.step()
+        built.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        built.step()
+    return _device_memory(device)
+
+
+def _device_memory(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"max_memory_allocated": None, "max_memory_reserved": None, "device_used_bytes": None}
     torch.cuda.synchronize()
