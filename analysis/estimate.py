@@ -73,6 +73,8 @@ class StepSource:
     """The traced single-GPU step of one setup at any batch size, each traced when first asked for. With
     ``lines``, a batch size from 2 on is a point on the line through the steps at batches 2 and 3."""
 
+    LINE_FIRST = 2  # batch 1 is off the line (analysis/batch_line.py)
+
     def __init__(
         self, model: Model, setup: TrainingSetup, progress: Progress | None = None, lines: bool = False
     ) -> None:
@@ -104,7 +106,7 @@ class StepSource:
         return self._steps[batch]
 
     def step(self, batch: int) -> StepGraph:
-        line = self.line() if self.lines and batch >= 2 else None
+        line = self.line() if self.lines and batch >= self.LINE_FIRST else None
         return line.at(batch) if line is not None else self.traced_step(batch)
 
     def shared(self, key: Hashable, build: Callable[[], T]) -> T:
@@ -119,11 +121,23 @@ class StepSource:
                 del self._shared[next(iter(self._shared))]
         return self._shared[key]
 
+    def keep_line_if_it_reaches(self, batch: int) -> None:
+        """Trace ``batch`` and read every batch size off the line only if the line reproduces that step: a kernel
+        that switches with the batch (bitsandbytes' 4-bit decode matmul above 4 rows) changes more than sizes
+        between the traced points and ``batch``; then every batch size is traced."""
+        line = self.line() if self.lines and batch > self.LINE_FIRST + 1 else None
+        if line is None:
+            return
+        reached, traced = line.at(batch), self.traced_step(batch)
+        if (reached.ops, reached.storages, reached.transfers) != (traced.ops, traced.storages, traced.transfers):
+            self.lines = False
+
     def line(self) -> BatchLine | None:
         """None if the steps at batch 2 and 3 differ in more than sizes: then every batch is traced."""
         if self._line is None:
             try:
-                self._line = BatchLine(self.traced_step(2), self.traced_step(3), first=2)
+                first = self.LINE_FIRST
+                self._line = BatchLine(self.traced_step(first), self.traced_step(first + 1), first=first)
             except BatchShapeError:
                 return None
         return self._line

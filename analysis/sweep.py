@@ -13,7 +13,7 @@ from tabulate import tabulate
 
 from analysis.budget import MemoryBudget
 from analysis.device_map import estimate_device_map
-from analysis.estimate import LayoutEstimate, StepSource, analyze
+from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
 from strategies.layout import Layout, prepare
 from tracer.errors import UserError
@@ -90,24 +90,30 @@ def run_sweep(
     gpu: Gpu | None,
     on_point: Callable[[int, int, dict[str, int]], None] = lambda done, total, values: None,
 ) -> Sweep:
-    """One estimate per combination of the axes' values. A training step is traced once per sequence length, at
-    batch sizes 2 and 3 (and 1 when swept), and every other batch size is read off the line through them, as the
-    planner reads it (analysis/batch_line.py); other points are traced each."""
+    """One estimate per combination of the axes' values. Each step (a sequence length, and in inference a
+    generation length) is traced at batch sizes 2 and 3 (and 1 when swept), and every other batch size is read off
+    the line through them, as the planner reads it (analysis/batch_line.py), once the line has reproduced the
+    step traced at the largest batch swept (else each is traced): where that takes fewer traces than one per batch
+    size. A device map's points are traced each."""
     combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
     sources: dict[TrainingSetup, StepSource] = {}
+    batches = set(axes.get("batch", (setup.batch_size,)))
+    line_traces = {2, 3, max(batches)} | (batches & {1})
+    lines = len(line_traces) < len(batches)  # fewer traces than a trace per batch size
     points = []
     for done, values in enumerate(combinations):
         on_point(done, len(combinations), values)
         point_setup = dataclasses.replace(setup, **{AXES[name]: value for name, value in values.items()})
         if point_setup.device_map is not None:
             report = estimate_device_map(model, point_setup).report
-        elif point_setup.mode == "train":
+        else:
             prepared = prepare(layout, point_setup, model.config)
             key = dataclasses.replace(prepared.traced, batch_size=1)
-            source = sources.setdefault(key, StepSource(model, key, lines=True))
+            if key not in sources:
+                sources[key] = StepSource(model, key, lines=lines)
+                sources[key].keep_line_if_it_reaches(max(batches))
+            source = sources[key]
             report = LayoutEstimate(model.model_id, prepared, source).evaluate(point_setup.batch_size).report
-        else:
-            report = analyze(model, point_setup, layout)
         points.append(SweepPoint(values, report))
     return Sweep(axes, points, gpu)
 

@@ -113,15 +113,25 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     assert any(o.micro_batch > 3 for o in result.outcomes)  # batches off the line were chosen, not only traced ones
 
 
-def test_training_sweep_reads_batch_sizes_off_the_line(monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "setup", "layout"),
+    [
+        ("llama", TrainingSetup(mixed_precision="bf16"), Layout(gpus=2, zero=3)),
+        ("llama", TrainingSetup(mode="inference", dtype="bf16", max_new_tokens=4), Layout()),
+        ("gemma3_text", TrainingSetup(mode="inference", dtype="bf16", cache="static", max_new_tokens=4), Layout()),
+        ("qwen2", TrainingSetup(mode="inference", dtype="bf16", max_new_tokens=4), Layout(gpus=2, tp=2)),
+        # bitsandbytes' 4-bit decode matmul switches kernels above 4 rows: the line through 2 and 3 does not reach 7
+        ("llama", TrainingSetup(mode="inference", dtype="bf16", quantize="fp4", max_new_tokens=4), Layout()),
+    ],
+    ids=["train-fsdp", "inference", "static-cache", "inference-tp", "inference-4bit"],
+)
+def test_sweep_reads_batch_sizes_off_the_line(monkeypatch, family, setup, layout):
     """``analyze --sweep`` uses the planner's machinery: each sequence length is traced at batch sizes 1, 2 and 3
-    only, every other batch size read off the line, and each point is analyze's own estimate of it (the allocator's
-    replay included)."""
+    and at the largest swept, which the line must reproduce; every other batch size is read off the line, and each
+    point is analyze's own estimate of it (the allocator's replay included), in training and in inference."""
     import analysis.estimate
 
-    model = tiny_model("llama")
-    setup = TrainingSetup(mixed_precision="bf16")
-    layout = Layout(gpus=2, zero=3)
+    model = tiny_model(family)
     traced = []
 
     def counted(model, setup, progress=None):
@@ -129,8 +139,10 @@ def test_training_sweep_reads_batch_sizes_off_the_line(monkeypatch):
         return trace_step(model, setup, progress)
 
     monkeypatch.setattr(analysis.estimate, "trace_step", counted)
-    sweep = run_sweep(model, setup, layout, {"seq-len": (16, 32), "batch": (1, 4, 7)}, find_gpu("h100"))
-    assert sorted(traced) == [1, 1, 2, 2, 3, 3]
+    sweep = run_sweep(model, setup, layout, {"seq-len": (16, 32), "batch": (1, 4, 5, 6, 7)}, find_gpu("h100"))
+    lines_hold = setup.quantize is None
+    expected = [1, 2, 3, 7] if lines_hold else [1, 2, 3, 4, 5, 6, 7]  # 7 checks the line, or each point is traced
+    assert sorted(traced) == sorted(expected * 2)
     monkeypatch.undo()
     for point in sweep.points:
         single = dataclasses.replace(setup, seq_len=point.values["seq-len"], batch_size=point.values["batch"])
