@@ -24,6 +24,7 @@ from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
 from strategies.layout import Layout, prepare
+from strategies.pipeline import LOOPED, interleaved_rounds
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
@@ -202,14 +203,17 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
 
 
 def _pipeline_layouts(gpus: int, tp: int, layers: int) -> list[Layout]:
-    """Pipelines of 1F1B stages (GPipe holds more for the same bubble) of up to ``MAX_PIPELINE_STAGES`` stages
-    dividing the GPUs left by tensor parallelism, each stage sharded as torchtitan shards it (FSDP2 without
+    """Pipelines of up to ``MAX_PIPELINE_STAGES`` ranks dividing the GPUs left by tensor parallelism, under 1F1B
+    (GPipe holds more for the same bubble) and, where the layers make two stages a rank, interleaved 1F1B (a
+    bubble halved for more microbatches in flight), each stage sharded as torchtitan shards it (FSDP2 without
     resharding after forward) over its data-parallel GPUs; their microbatches are chosen by the search."""
     layouts = []
     for pp in (p for p in range(2, min(gpus // tp, layers, MAX_PIPELINE_STAGES) + 1) if gpus // tp % p == 0):
-        dp = gpus // (tp * pp)
-        zeros = (0,) if dp == 1 else (2,)
-        layouts += [Layout(gpus=gpus, tp=tp, pp=pp, microbatches=pp, zero=zero) for zero in zeros]
+        zero = 0 if gpus // (tp * pp) == 1 else 2
+        schedules = ("1f1b", "interleaved-1f1b") if layers >= 2 * pp else ("1f1b",)
+        layouts += [
+            Layout(gpus=gpus, tp=tp, pp=pp, pp_schedule=schedule, microbatches=pp, zero=zero) for schedule in schedules
+        ]
     return layouts
 
 
@@ -442,7 +446,7 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
         micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
         options = [(micro, microbatches, steps, report)]
     else:
-        counts = [m for m in range(layout.pp, per_rank + 1) if per_rank % m == 0]
+        counts = [m for m in range(layout.pp, per_rank + 1) if per_rank % m == 0 and _schedule_takes(layout, m)]
         if not counts:
             outcome.notes.append(f"the global batch gives each pipeline fewer than {layout.pp} sequences")
             return outcome
@@ -480,6 +484,11 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
             outcome.tokens_per_second = tokens_per_second
             outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
     return outcome
+
+
+def _schedule_takes(layout: Layout, microbatches: int) -> bool:
+    """Whether the pipeline's schedule runs this many microbatches (interleaved 1F1B: a multiple of its rounds)."""
+    return layout.pp_schedule not in LOOPED or microbatches % interleaved_rounds(layout.pp, microbatches) == 0
 
 
 def _largest_divisor_fitting(

@@ -157,11 +157,11 @@ class PipelineParallel:
         return self.ranks * self.stages_per_rank
 
     def dominant_ranks(self, step: StepGraph) -> list[int]:
-        """Ranks no other rank holds more than: all of them, but for 1F1B over an even split of decoder layers
-        that run alike after the first, where rank 1 holds at least what every later rank but the last does (as
-        many layers or more, one more microbatch in flight, the same buffers), so the first, the second and the
-        last stand for all."""
-        if self.schedule != "1f1b" or self.split is not None or not _alike_after_the_first(step):
+        """Ranks no other rank holds more than: all of them, but for 1F1B and interleaved 1F1B over an even split
+        of decoder layers that run alike after the first, where rank 1 holds at least what every later rank but the
+        last does (as many layers or more; its warm-up runs more forwards, so more microbatches are in flight; the
+        same buffers), so the first, the second and the last stand for all."""
+        if self.schedule == "gpipe" or self.split is not None or not _alike_after_the_first(step):
             return list(range(self.ranks))
         return sorted({0, min(1, self.ranks - 1), self.ranks - 1})
 

@@ -305,14 +305,15 @@ def test_interleaved_makespan_divides_the_bubble_by_the_stages_per_rank(ranks, p
 
 
 def test_pipeline_layouts_are_planned_with_their_bubble():
-    """--pipeline on adds 1F1B layouts whose microbatches come from the global batch; each kept layout's report is
-    analyze's at its micro-batch and microbatches, and its step time carries the pipeline's bubble."""
+    """--pipeline on adds 1F1B and interleaved 1F1B layouts whose microbatches come from the global batch; each kept
+    layout's report is analyze's at its micro-batch and microbatches, and its step time carries the pipeline's
+    bubble."""
     model = tiny_model("llama", num_hidden_layers=4)
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3)
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=16, offload=False, pipeline="on")
     piped = [o for o in result.outcomes if o.candidate.layout.pp > 1 and o.fits]
-    assert piped
+    assert {o.candidate.layout.pp_schedule for o in piped} == {"1f1b", "interleaved-1f1b"}
     for outcome in piped:
         layout = outcome.candidate.layout
         assert layout.stage_microbatches == outcome.accumulation >= layout.pp
@@ -326,18 +327,28 @@ def test_pipeline_layouts_are_planned_with_their_bubble():
     assert any("pipeline parallelism" in reason for reason in none.skipped)
 
 
-@pytest.mark.parametrize("layout", [Layout(gpus=4, pp=4, microbatches=8), Layout(gpus=8, pp=4, zero=2, microbatches=4)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(gpus=4, pp=4, microbatches=8),
+        Layout(gpus=8, pp=4, zero=2, microbatches=4),
+        Layout(gpus=4, pp=4, pp_schedule="interleaved-1f1b", microbatches=8),
+        Layout(gpus=5, pp=5, pp_schedule="interleaved-1f1b", microbatches=5),  # 10 stages of 12 layers: uneven
+    ],
+    ids=lambda layout: layout.describe(),
+)
 def test_the_dominant_stages_hold_the_busiest(layout):
-    """The planner reads 1F1B's first, second and last stages of alike layers: every stage's report (analyze's)
-    peaks no higher than theirs."""
-    model = tiny_model("llama", num_hidden_layers=8)
+    """The planner reads the first, second and last ranks of a 1F1B or interleaved 1F1B pipeline of alike layers:
+    every middle rank's report (analyze's) peaks no higher than the second's."""
+    model = tiny_model("llama", num_hidden_layers=12)
     setup = dataclasses.replace(SETUP, batch_size=2)
     prepared = prepare(layout, setup, model.config)
     dominant = LayoutEstimate(model.model_id, prepared, StepSource(model, prepared.traced), dominant=True)
-    assert [rank.pp for rank in dominant.ranks] == [0, 1, 3]
+    assert [rank.pp for rank in dominant.ranks] == [0, 1, layout.pp - 1]
     every = analyze(model, setup, layout)
     assert dominant.evaluate(2).report.peak_bytes == every.peak_bytes
-    assert len(every.ranks) == 4
+    peaks = [rank.peak_bytes for rank in every.ranks]
+    assert len(peaks) == layout.pp and max(peaks[2:-1], default=0) <= peaks[1]
 
 
 def test_long_sequences_are_planned_with_context_parallelism():
