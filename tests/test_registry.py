@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from analysis.estimate import analyze
+from tracer.errors import UserError
 from tracer.registry import BUNDLED_MODELS, find_bundled
 from tracer.resolve import resolve_model
 from tracer.step import build_model
@@ -145,3 +147,61 @@ def test_every_bundled_config_builds():
     for bundled in BUNDLED_MODELS:
         with torch.device("meta"):
             build_model(resolve_model(bundled.model_id).config, TrainingSetup())
+
+
+# Issue 17's list of the models people fine-tune and serve in 2026, as users type them (base, -Instruct, -it), and
+# the ids a new user tried first.
+LISTED_2026 = [
+    *(f"Qwen/Qwen3-{size}" for size in ("0.6B", "1.7B", "4B", "8B", "14B", "32B")),
+    "Qwen/Qwen3-8B-Base",
+    "Qwen/Qwen3-30B-A3B",
+    "Qwen/Qwen3-235B-A22B",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct",
+    "meta-llama/Llama-3.3-70B-Instruct",
+    "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+    "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
+    *(f"google/gemma-3-{size}-it" for size in ("1b", "4b", "27b")),
+    "microsoft/phi-4",
+    "microsoft/Phi-4-mini-instruct",
+    "mistralai/Mistral-Nemo-Instruct-2407",
+    "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
+    "mistralai/Mixtral-8x22B-Instruct-v0.1",
+    "deepseek-ai/DeepSeek-V3",
+    "deepseek-ai/DeepSeek-R1",
+    "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "openai/gpt-oss-20b",
+    "openai/gpt-oss-120b",
+    "allenai/OLMo-2-1124-13B-Instruct",
+    "HuggingFaceTB/SmolLM2-1.7B-Instruct",
+    "HuggingFaceTB/SmolLM3-3B",
+    "zai-org/GLM-4.5",
+    "zai-org/GLM-4.5-Air",
+    "moonshotai/Kimi-K2-Instruct",
+    "Qwen/Qwen2.5-7B-Instruct",
+    "google/gemma-2-9b-it",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1",
+]
+# Listed, but no verbatim copy of their config.json was found to bundle (tracer/configs/SOURCES.md).
+NOT_BUNDLED = {
+    "google/gemma-3-12b-it": "google/gemma-3-",
+    "allenai/OLMo-2-1124-7B": "allenai/OLMo-2-1124-13B",
+    "allenai/OLMo-2-0325-32B": "allenai/OLMo-2-1124-13B",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_id", LISTED_2026)
+def test_every_listed_model_analyzes_offline(model_id, monkeypatch):
+    """Each one traces a fine-tuning step and an inference step from its bundled config with the Hub unreachable."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("tracer.resolve._hub_reachable", lambda: False)
+    for mode in ("train", "inference"):
+        report = analyze(model_id, TrainingSetup(mode=mode, batch_size=1, seq_len=128, dtype="bf16"))
+        assert report.peak_bytes > 0 and report.parameter_count > 0
+
+
+@pytest.mark.parametrize(("model_id", "closest"), list(NOT_BUNDLED.items()))
+def test_a_listed_model_not_bundled_names_the_closest(model_id, closest, monkeypatch):
+    monkeypatch.setattr("tracer.resolve._hub_reachable", lambda: False)
+    with pytest.raises(UserError, match=f"Closest bundled: {closest}"):
+        resolve_model(model_id)
