@@ -231,7 +231,15 @@ class Layout:
         return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: " + " x ".join(parts) + offload
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"dp": self.dp}
+        """The fields as given, with what follows from them: the data-parallel degree, the microbatches and the
+        pipeline stages each rank holds."""
+        piped = self.pp > 1
+        resolved = {
+            "dp": self.dp,
+            "microbatches": self.stage_microbatches if piped else None,
+            "pp_stages_per_rank": self.stages_per_rank if piped else None,
+        }
+        return asdict(self) | resolved
 
 
 @dataclass(frozen=True)
