@@ -711,7 +711,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline",
         choices=PIPELINE_SEARCH,
         default="auto",
-        help="pipeline-parallel layouts (1F1B over 2 to 8 stages, each FSDP2-sharded as torchtitan runs them): "
+        help="pipeline-parallel layouts (1F1B and interleaved 1F1B over 2 to 8 ranks, each stage FSDP2-sharded as "
+        "torchtitan runs them): "
         "auto searches them when no other layout fits (default), on always, off never",
     )
     group.add_argument(
