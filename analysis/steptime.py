@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strategies.collectives import ring_exchanges
 from strategies.layout import Layout, Rank
 from strategies.pipeline import BACKWARD, FORWARD, RECEIVE_BUFFER, schedule_actions
 from tracer.gpus import PCIE_4_X16_GBPS, Gpu
@@ -134,7 +135,8 @@ def step_time(step: StepGraph, layout: Layout, cluster: Cluster, compute_dtype: 
 def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster, compute_dtype: str) -> StepTime:
     """One step of a pipeline (``stages``: each pipeline rank's step, data- and tensor-parallel rank 0): every
     forward and backward of a microbatch through a stage takes its pass's roofline time (tensor parallelism
-    dividing it, its all-reduces waited for), in the order the rank's schedule runs them, each starting once the
+    dividing it, its all-reduces and context parallelism's ring exchanges waited for), in the order the rank's
+    schedule runs them, each starting once the
     previous stage's activations (or the next stage's gradients) have arrived over the pipeline's link; the bubble
     is the idle time this leaves. The optimizer steps and the data-parallel reductions follow the last backward
     (FSDP2 and DDP reduce a pipeline rank's gradients once per step), the busiest rank's counting."""
@@ -155,7 +157,8 @@ def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster
             compute = _ops_seconds(step.ops[stage_pass.ops.start : stage_pass.ops.stop], gpu, compute_dtype)
             kind = FORWARD if stage_pass.phase is Phase.FORWARD else BACKWARD
             key = (kind, own[stage_pass.stage], stage_pass.microbatch)
-            passes[key] = compute / layout.tp + tp_all_reduce / passes_per_microbatch
+            ring = sum(_collective_seconds(c, layout, cluster) for c in ring_exchanges(step, stage_pass.ops))
+            passes[key] = compute / layout.tp + tp_all_reduce / passes_per_microbatch + ring
         durations.append(passes)
         received = [row.nbytes for row in step.storages.values() if row.name.startswith(RECEIVE_BUFFER)]
         sends.append(max(received, default=0) / link)

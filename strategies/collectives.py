@@ -121,14 +121,15 @@ RING_GATHER = "_c10d_functional.all_gather_into_tensor.default"  # tracer/contex
 RING_PERMUTE = "_c10d_functional.all_to_all_single.default"  # its key/value gradients passed to the next rank
 
 
-def ring_exchanges(step: StepGraph) -> list[Collective]:
-    """Context parallelism's exchanges in a traced step, per phase summed over the layers: the keys and values
-    all-gathered once per attention (forward, recomputation and backward: the gathered tensor), and in backward
-    their gradients passed around the ring once per block (the bytes each rank sends). torch issues them on the
-    compute stream and waits for each before the blocks that read it, so none is overlapped."""
+def ring_exchanges(step: StepGraph, ops: range | None = None) -> list[Collective]:
+    """Context parallelism's exchanges in a traced step (or among its ``ops``), per phase summed over the layers:
+    the keys and values all-gathered once per attention (forward, recomputation and backward: the gathered
+    tensor), and in backward their gradients passed around the ring once per block (the bytes each rank sends).
+    torch issues them on the compute stream and waits for each before the blocks that read it, so none is
+    overlapped."""
     gathered: dict[Phase, int] = defaultdict(int)
     passed: dict[Phase, int] = defaultdict(int)
-    for op in step.ops:
+    for op in step.ops if ops is None else step.ops[ops.start : ops.stop]:
         if op.target == RING_GATHER:
             gathered[op.phase] += step.storages[op.outputs[0]].nbytes
         elif op.target == RING_PERMUTE:

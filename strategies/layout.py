@@ -427,8 +427,8 @@ CONTEXT_PARALLEL_TRAINING = (
 
 def _context_parallel(layout: Layout, setup: TrainingSetup) -> int:
     """Refuse what context parallelism is not modelled with (each by name), else the tokens each rank holds."""
-    if layout.pp > 1 or layout.ep > 1:
-        raise UserError("--cp with --pp or --ep is not modelled yet (not checked against a runtime): drop one of them.")
+    if layout.ep > 1:
+        raise UserError("--cp with --ep is not modelled yet (not checked against a runtime): drop one of them.")
     if layout.tp > 1 and layout.zero < 2:
         raise UserError(
             "--cp with --tp is modelled with FSDP2 over the data- and context-parallel GPUs, as torchtitan composes "

@@ -41,7 +41,7 @@ FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
-class _RingDispatch(TorchDispatchMode):
+class RingDispatch(TorchDispatchMode):
     """What ``context_parallel``'s dispatcher does for CUDA's flash kernel, for the CPU's: the kernel and its
     backward, wherever autocast and autograd call them, run as torch's ring attention over ``group``."""
 
@@ -117,7 +117,7 @@ def context_parallel_peak(model: Model, setup: TrainingSetup, layout: Layout) ->
 
         @contextmanager
         def around() -> Iterator[None]:
-            with _RingDispatch(ring_group), loss_parallel() if parallel_loss else nullcontext():
+            with RingDispatch(ring_group), loss_parallel() if parallel_loss else nullcontext():
                 yield
 
         step = recorded_third_step(model, local, net, wrapped, buckets, around)

@@ -40,6 +40,7 @@ from strategies.layout import Layout, Rank
 from strategies.pipeline import LOOPED, layer_split
 from strategies.tensor_parallel import megatron_plan
 from tracer.baseline import register_baseline
+from tracer.context_parallel import local_length
 from tracer.graph import StepGraph, build_graph
 from tracer.inference import CACHE_KWARG
 from tracer.modules import ModuleScope, model_structure
@@ -197,27 +198,41 @@ def _stage_structure(model: ResolvedModel, layers: range, first: bool, last: boo
 
 
 def _parallelize(
-    module: _Stage, structure: ModelStructure, layout: Layout, rank: Rank, mesh: DeviceMesh, mixed_precision: bool
+    module: _Stage,
+    structure: ModelStructure,
+    layout: Layout,
+    rank: Rank,
+    mesh: DeviceMesh,
+    replicas: DeviceMesh,
+    mixed_precision: bool,
 ) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     """torchtitan's order: tensor parallelism on the stage's modules, then its data parallelism (FSDP2 on each
     decoder layer and the stage, ``reshard_after_forward`` as ``--zero`` asks, bf16 compute and float32 reduction
     with ``mixed_precision``; DDP; or DDP with
-    ZeroRedundancyOptimizer, whose optimizer the caller builds). Returns the module the stage runs and DDP's
-    bucket buffers."""
+    ZeroRedundancyOptimizer, whose optimizer the caller builds) over ``replicas``, the data- and context-parallel
+    ranks. Returns the module the stage runs and DDP's bucket buffers."""
     if layout.tp > 1:
         plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
         parallelize_module(module, mesh["tp"], dtensor_plan(plan, module))
-    if layout.dp == 1:
+    if layout.replicas == 1:
         return module, {}
     if layout.zero >= 2:
         reshard = reshard_argument(layout.zero == 3)
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
         for block in structure.blocks:
-            fully_shard(module.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(module.get_submodule(block), mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(module, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
         return module, {}
-    ddp, buckets = data_parallel(module, mesh["dp"].get_group())
+    ddp, buckets = data_parallel(module, replicas.get_group())
     return ddp, buckets
+
+
+def ring_attention(group) -> AbstractContextManager:
+    """Context parallelism's ring attention over ``group``, as tests/cp_runtime.py runs it (imported here when
+    asked for: that module builds on this one's recorder)."""
+    from cp_runtime import RingDispatch
+
+    return RingDispatch(group)
 
 
 @dataclass
@@ -246,9 +261,12 @@ def pipeline_rank(
     stages = layout.rank_stages(rank)
     first, last = 0 in stages, stage_count - 1 in stages
     with fake_process_group(layout.gpus, rank.global_rank(layout)), _as_a_real_run():
-        mesh = init_device_mesh(device.type, (ranks, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        shape_of_mesh = (ranks, layout.dp, layout.cp, layout.tp)
+        mesh = init_device_mesh(device.type, shape_of_mesh, mesh_dim_names=("pp", "dp", "cp", "tp"))
+        replicas = mesh["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else mesh["dp"]
+        setup = dataclasses.replace(setup, seq_len=local_length(setup.seq_len, layout.cp))  # the rank's tokens
         torch.manual_seed(0)
-        sharded_mixed = layout.zero >= 2 and layout.dp > 1 and setup.mixed_precision is not None
+        sharded_mixed = layout.zero >= 2 and layout.replicas > 1 and setup.mixed_precision is not None
         if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
             setup = dataclasses.replace(setup, mixed_precision=None)
         with device:
@@ -268,7 +286,7 @@ def pipeline_rank(
         for stage in stages:
             module = modules[str(stage)]
             structure = _stage_structure(model, split[stage], stage == 0, stage == stage_count - 1)
-            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, sharded_mixed)
+            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed)
             stage_buckets.append(buckets)
             module.autocast = setup.autocast_dtype
             inputs = (
@@ -292,7 +310,7 @@ def pipeline_rank(
         if layout.zero == 1:
             optimizer_class, arguments = optimizer_recipe(setup)
             params = [p for p in modules.parameters() if p.requires_grad]
-            optimizer = ZeroRedundancyOptimizer(params, optimizer_class, mesh["dp"].get_group(), **arguments)
+            optimizer = ZeroRedundancyOptimizer(params, optimizer_class, replicas.get_group(), **arguments)
         else:
             optimizer = build_optimizer(modules, setup, foreach=None)
 
@@ -305,11 +323,14 @@ def pipeline_rank(
         whole = dataclasses.replace(setup, batch_size=setup.batch_size * mbs)  # every rank loads the whole batch
         batch = make_token_batch(config.vocab_size, whole, device)
 
+        parallel_loss = layout.tp > 1 and layout.tp_output == "parallel"
+        ring = ring_attention(mesh["cp"].get_group()) if layout.cp > 1 else nullcontext()
+
         def step(on_phase=lambda phase: None) -> None:
             on_phase(Phase.FORWARD)
             args = (batch.input_ids,) if first else ()
             target = batch.labels if last else None
-            with loss_parallel() if layout.tp > 1 and layout.tp_output == "parallel" else nullcontext():
+            with loss_parallel() if parallel_loss else nullcontext(), ring:
                 schedule_run.step(*args, target=target, losses=[] if last else None, return_outputs=False)
             on_phase(Phase.OPTIMIZER)
             optimizer.step()

@@ -110,6 +110,22 @@ def test_stages_compose_with_data_and_tensor_parallelism(layout, options):
 @pytest.mark.parametrize(
     ("layout", "options"),
     [
+        (Layout(gpus=4, pp=2, cp=2, microbatches=4), {}),
+        pytest.param(Layout(gpus=4, pp=2, cp=2, zero=2, microbatches=4), {"mixed_precision": "bf16"}, marks=SLOW),
+        pytest.param(Layout(gpus=4, pp=2, cp=2, zero=3, microbatches=4, **INTERLEAVED), {}, marks=SLOW),
+        pytest.param(Layout(gpus=8, pp=2, cp=4, zero=2, pp_schedule="gpipe", microbatches=2), {}, marks=SLOW),
+    ],
+    ids=lambda value: value.describe() if isinstance(value, Layout) else str(value),
+)
+def test_stages_compose_with_context_parallelism(layout, options):
+    """torchtitan's pp x dp x cp mesh: each stage runs the rank's share of each sequence with torch's ring
+    attention over the context-parallel group (tests/cp_runtime.py's), replicated or sharded over dp x cp."""
+    _check_layout(layout, **options)
+
+
+@pytest.mark.parametrize(
+    ("layout", "options"),
+    [
         (Layout(gpus=2, pp=2, microbatches=4, **INTERLEAVED), {}),
         # four stages per rank: the runtime keeps three unsharded and reshards the fourth (_add_unshard_reshard);
         # batch 1 of 8 tokens puts the peak where the stages' prefetched all-gathers are held
