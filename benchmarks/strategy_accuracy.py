@@ -145,6 +145,14 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         (Layout(gpus=4, cp=2, zero=3), {"mixed_precision": "bf16", "grad_checkpointing": "full"}),
     ):
         found.append(("llama", layout, Rank(), context, options))
+    for layout, options in (  # pipeline stages on each rank's share of the sequences, torchtitan's pp x dp x cp mesh
+        (Layout(gpus=4, pp=2, cp=2, microbatches=4), {}),
+        (Layout(gpus=4, pp=2, cp=2, zero=2, microbatches=4), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, pp=2, cp=2, zero=3, microbatches=4, pp_schedule="interleaved-1f1b"), {}),
+        (Layout(gpus=8, pp=2, cp=4, zero=2, pp_schedule="gpipe", microbatches=2), {}),
+    ):
+        for stage in range(layout.pp):
+            found.append(("llama", layout, Rank(pp=stage), BACKWARD_PEAK, options))
     for layout, options in (  # with tensor parallelism, torchtitan's cp x tp mesh under FSDP2
         (Layout(gpus=4, cp=2, tp=2, zero=3), {}),
         (Layout(gpus=4, cp=2, tp=2, zero=2), {"mixed_precision": "bf16"}),

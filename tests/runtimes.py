@@ -372,14 +372,14 @@ def runtime_peak(model: Model, setup: TrainingSetup, layout: Layout, rank: Rank)
     over tensor-parallel DTensors). Mixed precision under FSDP2 is its MixedPrecisionPolicy."""
     if layout.engine == "deepspeed" or (layout.tp > 1 and layout.zero < 2 and layout.dp > 1):
         return None
+    if layout.pp > 1:  # its stages run context parallelism's ring themselves
+        from pipeline_runtime import pipeline_peak  # it runs on this module's fake process group
+
+        return pipeline_peak(model, setup, layout, rank)
     if layout.cp > 1:
         from cp_runtime import context_parallel_peak  # it runs on this module's fake process group
 
         return context_parallel_peak(model, setup, layout) if rank == Rank() else None
-    if layout.pp > 1:
-        from pipeline_runtime import pipeline_peak  # it runs on this module's fake process group
-
-        return pipeline_peak(model, setup, layout, rank)
     if layout.tp > 1:
         return tensor_parallel_peak(
             model,
