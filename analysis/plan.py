@@ -24,7 +24,7 @@ from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
 from strategies.layout import Layout, prepare
-from strategies.pipeline import LOOPED, interleaved_rounds
+from strategies.pipeline import schedule_takes
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
@@ -446,7 +446,8 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
         micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
         options = [(micro, microbatches, steps, report)]
     else:
-        counts = [m for m in range(layout.pp, per_rank + 1) if per_rank % m == 0 and _schedule_takes(layout, m)]
+        takes = [m for m in range(layout.pp, per_rank + 1) if schedule_takes(layout.pp_schedule, layout.pp, m)]
+        counts = [m for m in takes if per_rank % m == 0]
         if not counts:
             outcome.notes.append(f"the global batch gives each pipeline fewer than {layout.pp} sequences")
             return outcome
@@ -484,11 +485,6 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
             outcome.tokens_per_second = tokens_per_second
             outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
     return outcome
-
-
-def _schedule_takes(layout: Layout, microbatches: int) -> bool:
-    """Whether the pipeline's schedule runs this many microbatches (interleaved 1F1B: a multiple of its rounds)."""
-    return layout.pp_schedule not in LOOPED or microbatches % interleaved_rounds(layout.pp, microbatches) == 0
 
 
 def _largest_divisor_fitting(

@@ -16,7 +16,14 @@ from strategies.collectives import recorded, ring_exchanges, token_exchanges
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
 from strategies.fsdp import Fsdp2
-from strategies.pipeline import LOOPED, SCHEDULES, PipelineParallel, interleaved_rounds, rank_stages
+from strategies.pipeline import (
+    LOOPED,
+    SCHEDULES,
+    PipelineParallel,
+    interleaved_rounds,
+    rank_stages,
+    schedule_takes,
+)
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.context_parallel import local_length
@@ -151,8 +158,8 @@ class Layout:
                 f"--pp-schedule {self.pp_schedule} loops over several stages per rank: --stages-per-rank 2 or more "
                 "(or --pp-schedule 1f1b for one)."
             )
-        rounds = interleaved_rounds(self.pp, self.stage_microbatches)
-        if looped and self.stage_microbatches % rounds:
+        if not schedule_takes(self.pp_schedule, self.pp, self.stage_microbatches):
+            rounds = interleaved_rounds(self.pp, self.stage_microbatches)
             raise UserError(
                 f"--pp-schedule {self.pp_schedule} runs the microbatches in rounds of --pp {self.pp}: "
                 f"--microbatches {self.stage_microbatches} must be a multiple of its {rounds} rounds "

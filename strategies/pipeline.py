@@ -92,6 +92,11 @@ def interleaved_rounds(ranks: int, microbatches: int) -> int:
     return max(1, microbatches // ranks)
 
 
+def schedule_takes(schedule: str, ranks: int, microbatches: int) -> bool:
+    """Whether the schedule runs this many microbatches: ``ScheduleInterleaved1F1B`` a multiple of its rounds."""
+    return schedule not in LOOPED or microbatches % interleaved_rounds(ranks, microbatches) == 0
+
+
 def interleaved_actions(ranks: int, rank: int, microbatches: int, stages_per_rank: int) -> list[Action]:
     """``ScheduleInterleaved1F1B._calculate_single_rank_operations`` (torch 2.13 schedules.py, with
     ``_get_warmup_ops`` and ``_get_1f1b_rank_ops``), its idle slots left out: warm-up forwards (two more for each
@@ -274,6 +279,7 @@ class _RankStep:
                 for stage in self._runners(op.module):
                     self.passes[(kind, number, stage)].append(index)
                     self.stage_ops[stage].add(index)
+        self.optimizer_ops = set(self.optimizer)
         self.micro_step = {index: number for number, ops in enumerate(micro_steps) for index in ops}
         # The rank's parameters: those of the modules it runs, and any other its ops read (an output layer tied to
         # the embedding: the last stage keeps a copy, as torchtitan's pruned model does).
@@ -307,13 +313,16 @@ class _RankStep:
     def _made_elsewhere(self, storage_id: int, stage: int) -> bool:
         """Made by another stage: the hidden state passed in, or the gradient passed back."""
         producer = self.step.storages[storage_id].producer
-        return producer is not None and producer not in self.stage_ops[stage] and producer not in self.optimizer
+        return producer is not None and producer not in self.stage_ops[stage] and producer not in self.optimizer_ops
 
     def build(self) -> StepGraph:
         step, plan = self.step, self.plan
         actions = schedule_actions(plan.schedule, plan.ranks, plan.rank, plan.microbatches, plan.stages_per_rank)
         # The first microbatch runs the first traced micro-step's ops, the others the second's.
         template = {action: (action[0], 0 if action[2] == 0 else 1, action[1]) for action in actions}
+        copies: dict[Pass, list[Action]] = defaultdict(list)  # the actions that copy each traced pass
+        for action in actions:
+            copies[template[action]].append(action)
         position: dict[tuple[Action, int], int] = {}  # (action, traced op) -> op index in the rank's step
         ops: list[Op] = []
         span: dict[Action, range] = {}
@@ -345,12 +354,11 @@ class _RankStep:
                     add(row, None, optimizer_at[row.producer], freed)
                 continue
             kind = FORWARD if step.ops[row.producer].phase is Phase.FORWARD else BACKWARD
-            made_in = (kind, self.micro_step[row.producer])
-            for action in actions:
-                stage = action[1]
-                if template[action] == (*made_in, stage) and row.producer in self.stage_ops[stage]:
+            for stage in plan.stages:
+                if row.producer in self.stage_ops[stage]:
                     output = self._is_output(row, stage)
-                    add(row, action, position[(action, row.producer)], self._freed(row, action, output))
+                    for action in copies[(kind, self.micro_step[row.producer], stage)]:
+                        add(row, action, position[(action, row.producer)], self._freed(row, action, output))
         buffers = self._receive_buffers(rows)
 
         users: dict[int, list[int]] = defaultdict(list)
