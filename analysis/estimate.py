@@ -168,7 +168,7 @@ class LayoutEstimate:
         return self.prepared.ranks(self.source.traced_step(self.source.some_batch()), self.dominant)
 
     def rank_step(self, rank: Rank, batch: int) -> StepGraph:
-        if self.source.lines and batch >= 2 and self.source.line() is not None:
+        if self.source.lines and batch >= StepSource.LINE_FIRST and self.source.line() is not None:
             parts = self._line_parts(rank)
             if parts is not None:
                 base, line = parts
@@ -229,7 +229,8 @@ class LayoutEstimate:
     def _allocated_peak(self, rank: Rank, batch: int) -> int:
         """The rank's allocated peak at ``batch``: off its lifetimes with the line's sizes, without building the
         step, where the batch is on a line."""
-        parts = self._line_parts(rank) if self.source.lines and batch >= 2 and self.source.line() else None
+        on_line = self.source.lines and batch >= StepSource.LINE_FIRST and self.source.line()
+        parts = self._line_parts(rank) if on_line else None
         if parts is None:
             return find_peak(timeline(self.rank_step(rank, batch))).bytes
         if rank not in self._peak_lines:

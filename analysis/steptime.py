@@ -144,12 +144,12 @@ def pipeline_step_time(stages: list[StepGraph], layout: Layout, cluster: Cluster
     link = cluster.group_bytes_per_second(layout.pp, layout.replicas * layout.tp)
     durations: list[dict[tuple[str, int, int], float]] = []
     sends: list[float] = []
+    passes_per_microbatch = 2 * layout.stages_per_rank  # each stage's forward and backward share the all-reduces
     for rank, step in enumerate(stages):
         tp_all_reduce = sum(
             _collective_seconds(c, layout, cluster) for c in step.collectives if c.group == TENSOR_PARALLEL
         )
         step_passes = step.pipeline_passes()
-        passes_per_microbatch = 2 * layout.stages_per_rank  # each stage's forward and backward share the all-reduces
         # the rank's own stages, in the order of the step's (a rank's step may stand in for another's)
         own = dict(zip(sorted({p.stage for p in step_passes}), layout.rank_stages(Rank(pp=rank)), strict=True))
         passes = {}

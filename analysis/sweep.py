@@ -98,7 +98,8 @@ def run_sweep(
     combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
     sources: dict[TrainingSetup, StepSource] = {}
     batches = set(axes.get("batch", (setup.batch_size,)))
-    line_traces = {2, 3, max(batches)} | (batches & {1})
+    first = StepSource.LINE_FIRST
+    line_traces = {first, first + 1, max(batches)} | {b for b in batches if b < first}
     lines = len(line_traces) < len(batches)  # fewer traces than a trace per batch size
     points = []
     for done, values in enumerate(combinations):
