@@ -291,8 +291,13 @@ def tensor_parallel_peak(
 ) -> int:
     """``parallelize_module`` with the Megatron plan the estimate assumes (the lm_head's output left sliced
     for ``loss_parallel()``, or gathered; optionally sequence parallel), over ``degree`` ranks; with
-    ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh."""
+    ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh, mixed precision as its
+    MixedPrecisionPolicy (bf16 compute over float32 weights, float32 reduction)."""
     world = degree * data_parallel
+    policy = MixedPrecisionPolicy()
+    if data_parallel > 1 and setup.mixed_precision is not None:
+        setup = dataclasses.replace(setup, mixed_precision=None)
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     with fake_process_group(world, data_rank * degree + rank):
         mesh = init_device_mesh("cpu", (data_parallel, degree), mesh_dim_names=("dp", "tp"))
         with torch.device("meta"):
@@ -306,9 +311,10 @@ def tensor_parallel_peak(
                 net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:
                 reshard = reshard_argument(reshard_after_forward)
+                shard = partial(fully_shard, mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
                 for block in structure.blocks:
-                    fully_shard(net.get_submodule(block), mesh=mesh["dp"], reshard_after_forward=reshard)
-                fully_shard(net, mesh=mesh["dp"], reshard_after_forward=reshard)
+                    shard(net.get_submodule(block))
+                shard(net)
 
         context = nullcontext if gathered_output else loss_parallel
         wrap = _WithPositions if sequence_parallel else None
