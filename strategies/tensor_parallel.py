@@ -20,7 +20,10 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
 * ``moe_tp_experts`` on a MoE layer's experts (transformers' ``MoeExpertsParallel``), with ``packed_colwise`` on
   their ``gate_up_proj`` (``PackedColwiseParallel``: the gate and up halves each split along the intermediate
   dimension) and ``rowwise`` on their ``down_proj`` (split along it too): every rank runs every expert on its
-  slice of the intermediate dimension, and sums the partial outputs with an in-place all-reduce.
+  slice of the intermediate dimension, on its local weights, and sums the partial outputs with an in-place
+  all-reduce (``_AllReduceForward``). In backward the gradients of the experts' input and routing weights are such
+  partial sums, all-reduced in place as they leave (``_AllReduceBackward``); the weights' gradients are the rank's
+  slices. The same in training (the rest of the plan then DTensor's, as above) and at inference.
 
 Activations follow from the weights: the step is walked in op order and each new storage gets the share
 of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a slice from a full input,
@@ -157,7 +160,7 @@ class TensorParallel:
             raise UserError(
                 f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
                 "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Qwen3, Gemma-2, "
-                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, and Qwen3-MoE, Mixtral, DeepSeek-V3 at inference); use --tp 1."
+                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3); use --tp 1."
             )
         if splits_key_heads(plan):
             heads = config.num_attention_heads
@@ -208,9 +211,15 @@ class TensorParallel:
 
 
 def decoder_styles(inference: bool) -> tuple[str, ...]:
-    """The decoder layers' styles modelled: column- and row-wise ones everywhere; MoE experts' and gathered ones as
+    """The decoder layers' styles modelled: column- and row-wise ones and MoE experts' everywhere; gathered ones as
     transformers runs them at inference."""
-    return (COLWISE, ROWWISE, *((*MOE_STYLES, *WHOLE_ACTIVATION_STYLES) if inference else ()))
+    return (COLWISE, ROWWISE, *MOE_STYLES, *(WHOLE_ACTIVATION_STYLES if inference else ()))
+
+
+def expert_rules(styles: Mapping[str, str]) -> dict[str, str]:
+    """The rules of a plan for MoE layers' experts: each experts module's (``moe_tp_experts``) and its parameters'."""
+    experts = [pattern for pattern, style in styles.items() if style == MOE_TP_EXPERTS]
+    return {p: style for p, style in styles.items() if any(p == e or p.startswith(e + ".") for e in experts)}
 
 
 def splits_key_heads(styles: Mapping[str, str]) -> bool:
@@ -288,13 +297,18 @@ def megatron_plan(
         if pattern.startswith(layers) and style != REPLICATED_WITH_GRAD_ALLREDUCE
     }
     if whole_experts:  # expert parallelism holds them: the experts' rules of the plan do not apply
-        experts = [pattern for pattern, style in styles.items() if style == MOE_TP_EXPERTS]
-        styles = {p: style for p, style in styles.items() if not any(p == e or p.startswith(e + ".") for e in experts)}
+        styles = {pattern: style for pattern, style in styles.items() if pattern not in expert_rules(styles)}
     elif not styles:
         raise UserError(
             f"--tp needs a tensor-parallel plan for the decoder layers, and {structure.model_class} has none. "
             "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
             "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
+        )
+    if sequence_length and expert_rules(styles):
+        raise UserError(
+            f"--sequence-parallel with {structure.model_class}'s MoE experts is not modelled: transformers' "
+            "MoeExpertsParallel takes the whole sequence and all-reduces its output, which torchtitan's sequence-"
+            "parallel layout does not compose with. Drop --sequence-parallel."
         )
     modelled = decoder_styles(inference)
     for pattern, style in styles.items():
@@ -386,8 +400,8 @@ class _TensorParallel:
         walked = [op for op in self.step.ops if op.phase is not Phase.OPTIMIZER]
         for op in walked:
             self.visit(op)
-        for storage_id, (_, last) in list(self.pending.items()):
-            self.reduce_partial_sum(storage_id, _Anchor(last, after=True))
+        for storage_id, (scope, last) in list(self.pending.items()):
+            self.reduce_partial_sum(storage_id, _Anchor(last, after=True), scope)
         self.shard_optimizer()
         self.redistribute_replicated()
         self.resize()
@@ -542,14 +556,14 @@ class _TensorParallel:
                 continue
             del self.pending[storage_id]
             if last.runs_forward:
-                self.reduce_partial_sum(storage_id, _Anchor(last, after=True))
+                self.reduce_partial_sum(storage_id, _Anchor(last, after=True), scope)
             else:
-                self.reduce_partial_sum(storage_id, _Anchor(op, after=False, module=last.module))
+                self.reduce_partial_sum(storage_id, _Anchor(op, after=False, module=last.module), scope)
 
-    def reduce_partial_sum(self, storage_id: int, anchor: _Anchor) -> None:
+    def reduce_partial_sum(self, storage_id: int, anchor: _Anchor, scope: str) -> None:
         row = self.step.storages[storage_id]
         if not self.plan.sequence_length:
-            if self._reduced_in_place(anchor.op.module):
+            if self._reduced_in_place(scope):
                 anchor.insert(self.rw, "c10d.allreduce_")
             else:
                 point = anchor.insert(self.rw, "_c10d_functional.all_reduce")
@@ -567,7 +581,7 @@ class _TensorParallel:
         """transformers' local inference kernel of a row-wise Linear: ``dist.all_reduce`` on its own output; with
         a bias, ``output + bias`` then takes over from it, as a new buffer would. MoE experts always reduce theirs
         in place."""
-        if self._style(module) == MOE_TP_EXPERTS:  # MoeExpertsParallel's _AllReduceForward, in training too
+        if self._style(module) == MOE_TP_EXPERTS:  # MoeExpertsParallel's _AllReduceForward and _AllReduceBackward
             return True
         if not self.plan.reduce_in_place or self._style(module) not in (ROWWISE, ROWWISE_SPLIT_INPUT):
             return False

@@ -18,14 +18,14 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 from pipeline_runtime import recorded_third_step
-from runtimes import data_parallel, dtensor_plan, fake_process_group, reshard_argument
+from runtimes import data_parallel, fake_process_group, reshard_argument, tensor_parallelize
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.experimental._context_parallel._attention import (
     _templated_ring_attention,
     _templated_ring_attention_backward,
 )
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from analysis.peak import find_peak, timeline
@@ -99,7 +99,7 @@ def context_parallel_peak(model: Model, setup: TrainingSetup, layout: Layout) ->
         if layout.tp > 1:
             structure = model_structure(net)
             plan = megatron_plan(structure, layout.tp, 0, gathered_output=layout.tp_output == "gathered")
-            parallelize_module(net, mesh["tp"], dtensor_plan(plan, net))
+            tensor_parallelize(net, mesh["tp"], plan)
         buckets: dict[int, torch.Tensor] = {}
         wrapped = net
         if sharded:

@@ -22,7 +22,7 @@ from functools import partial
 from unittest.mock import patch
 
 import torch
-from runtimes import data_parallel, dtensor_plan, fake_process_group, reshard_argument
+from runtimes import data_parallel, fake_process_group, reshard_argument, tensor_parallelize
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -31,7 +31,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining import stage as stage_module
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from transformers.masking_utils import create_causal_mask
 
@@ -213,7 +213,7 @@ def _parallelize(
     ranks. Returns the module the stage runs and DDP's bucket buffers."""
     if layout.tp > 1:
         plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
-        parallelize_module(module, mesh["tp"], dtensor_plan(plan, module))
+        tensor_parallelize(module, mesh["tp"], plan)
     if layout.replicas == 1:
         return module, {}
     if layout.zero >= 2:

@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
+from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
 from analysis.allocator import block_size
 from analysis.measure import Generation
@@ -48,12 +49,13 @@ from strategies.tensor_parallel import (
     EMBEDDING_ROWWISE,
     ROWWISE,
     TpPlan,
+    expert_rules,
     megatron_plan,
 )
 from tracer.baseline import register_baseline
 from tracer.graph import build_graph
 from tracer.meta_fixes import MetaFixes
-from tracer.modules import ModuleScope, decoder_blocks, model_structure
+from tracer.modules import ModuleScope, decoder_blocks, model_structure, plan_pattern
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, ResolvedModel
 from tracer.roles import Phase, Role
@@ -218,6 +220,18 @@ def fsdp2_peak(
         return _peak_of_step(model, setup, parallelize)
 
 
+def tensor_parallelize(net: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> None:
+    """The estimate's plan applied to ``net``: ``parallelize_module`` with PyTorch's styles (:func:`dtensor_plan`),
+    and the MoE experts with transformers' own (``MoeExpertsParallel`` on the experts module, ``PackedColwiseParallel``
+    and ``RowwiseParallel`` on their 3-D weights), as ``from_pretrained(tp_plan=...)`` applies them: by
+    ``apply_tensor_parallelism``, over the plan's patterns matched to the model's module and parameter names."""
+    parallelize_module(net, mesh, dtensor_plan(plan, net))
+    names = [*dict(net.named_modules()), *dict(net.named_parameters())]
+    rules = expert_rules(plan.styles).items()
+    experts = {name: style for pattern, style in rules for name in names if plan_pattern(pattern).fullmatch(name)}
+    apply_tensor_parallelism(net, mesh, experts)
+
+
 def dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
     """The estimate's plan as DTensor styles. With sequence parallelism, as torchtitan lays it out: the
     embedding and row-wise layers reduce-scatter into sequence slices, norms run on them, and the attention,
@@ -230,7 +244,8 @@ def dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
         EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
         COLWISE_GATHER_OUTPUT: ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
     }
-    styles_by_module = {pattern: styles[style] for pattern, style in plan.styles.items()}
+    experts = expert_rules(plan.styles)  # transformers' styles run them (tensor_parallelize)
+    styles_by_module = {pattern: styles[style] for pattern, style in plan.styles.items() if pattern not in experts}
     if plan.output_embedding and plan.styles[plan.output_embedding] == COLWISE:  # feeding loss_parallel()
         styles_by_module[plan.output_embedding] = ColwiseParallel(
             input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False
@@ -306,7 +321,7 @@ def tensor_parallel_peak(
         plan = megatron_plan(structure, degree, rank, gathered_output, sequence_length)
 
         def parallelize(net: nn.Module) -> None:
-            parallelize_module(net, mesh["tp"], dtensor_plan(plan, net))
+            tensor_parallelize(net, mesh["tp"], plan)
             if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
                 net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:

@@ -4,25 +4,46 @@ one rank of T."""
 from __future__ import annotations
 
 import pytest
-from runtimes import tensor_parallel_peak
+import torch
+from runtimes import runtime_peak, tensor_parallel_peak
 from tiny_models import tiny_model
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
 from strategies.tensor_parallel import megatron_plan, tensor_parallel
+from tracer.errors import UserError
 from tracer.graph import build_graph
+from tracer.modules import model_structure
 from tracer.tracing import trace_step
 from tracer.training import Target, TrainingSetup
 
 TOLERANCE = 0.01
 # Heads and kv heads that 2 and 4 divide, leaving each rank at least two (with one, some layout copies vanish).
 SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
+# MoE layers whose experts dominate: eight of them, four per token, intermediate size 128 (twice the hidden size),
+# a vocabulary of 32 and sequences of 64, so that the peak falls in the last MoE layer's backward, among the
+# experts' activations and gradients.
+EXPERT_SHAPE = {"batch_size": 2, "seq_len": 64}
+EXPERTS = {
+    family: SPLITTABLE | {"vocab_size": 32, "num_hidden_layers": 4, "num_experts_per_tok": 4} | sizes
+    for family, sizes in {
+        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 128},
+        "mixtral": {"num_local_experts": 8, "intermediate_size": 128},
+        "glm4_moe": {"n_routed_experts": 8, "moe_intermediate_size": 128},  # shared experts, a dense first layer
+        "deepseek_v3": {"n_routed_experts": 8, "moe_intermediate_size": 128},  # attention left whole by its plan
+    }.items()
+}
 
 
-def _estimate(model, setup: TrainingSetup, degree: int, rank: int, gathered: bool, sequence: bool = False) -> int:
+def _estimate(
+    model, setup: TrainingSetup, degree: int, rank: int, gathered: bool, sequence: bool = False
+) -> tuple[int, str]:
+    """The rank's peak, and the module where it falls."""
     step = build_graph(trace_step(model, setup))
     plan = megatron_plan(step.structure, degree, rank, gathered, setup.seq_len if sequence else None)
-    return find_peak(timeline(tensor_parallel(step, plan), rounded=False)).bytes
+    rank_step = tensor_parallel(step, plan)
+    peak = find_peak(timeline(rank_step, rounded=False))
+    return peak.bytes, rank_step.ops[peak.index].module
 
 
 def _check(
@@ -32,14 +53,17 @@ def _check(
     gathered: bool = False,
     shape=None,
     sequence: bool = False,
+    peak_in: str = "",
     **overrides,
 ) -> None:
-    """Tensor parallelism alone: the estimate of rank ``rank`` of ``degree`` against the runtime's."""
+    """Tensor parallelism alone: the estimate of rank ``rank`` of ``degree`` against the runtime's, its peak in a
+    module whose path contains ``peak_in``."""
     model = tiny_model(family, **(SPLITTABLE | overrides))
     setup = TrainingSetup(target=Target.CPU, **({"batch_size": 2, "seq_len": 32} | (shape or {})))
     runtime = tensor_parallel_peak(model, setup, degree, rank, gathered, sequence_parallel=sequence)
-    estimate = _estimate(model, setup, degree, rank, gathered, sequence)
+    estimate, module = _estimate(model, setup, degree, rank, gathered, sequence)
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+    assert peak_in in module, module
 
 
 @pytest.mark.parametrize(
@@ -156,3 +180,64 @@ def test_fsdp_times_tensor_parallel_with_an_uneven_vocabulary():
 
 def test_fsdp_times_sequence_parallel():
     _check_2d("llama", 2, 2, Rank(1, 1), gathered=True, sequence=True)
+
+
+@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family", ["qwen3_moe"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "glm4_moe", "deepseek_v3")]
+)
+def test_moe_experts_match_the_runtime(family, degree):
+    """transformers' own expert styles (MoeExpertsParallel, PackedColwiseParallel, RowwiseParallel on the 3-D
+    weights) in training, the rest of the plan DTensor's: each rank runs every expert on its slice of the
+    intermediate size and all-reduces the partial outputs in place, and their input's and routing weights'
+    partial gradients in backward."""
+    _check(family, degree, shape=EXPERT_SHAPE, peak_in=".mlp.experts", **EXPERTS[family])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "degree", "rank", "gathered", "options"),
+    [
+        ("qwen3_moe", 4, 3, True, {}),
+        ("qwen3_moe", 2, 1, False, {"grad_checkpointing": "full"}),  # the experts' partial sums recomputed
+        ("mixtral", 2, 0, False, {"grad_checkpointing": "full", "mixed_precision": "bf16"}),
+        ("glm4_moe", 2, 0, True, {"grad_accum": 2}),
+        ("qwen3_moe", 2, 0, False, {"optimizer": "sgd"}),
+        ("qwen3_moe", 2, 0, False, {"batch_size": 1, "seq_len": 4}),  # the peak is in the optimizer step
+    ],
+    ids=lambda value: "-".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else None,
+)
+def test_moe_experts_setups(family, degree, rank, gathered, options):
+    _check(family, degree, rank, gathered, shape=EXPERT_SHAPE | options, **EXPERTS[family])
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "rank", "options"),
+    [
+        ("mixtral", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {"grad_checkpointing": "full"}),
+        pytest.param("qwen3_moe", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), {}, marks=pytest.mark.slow),
+        pytest.param(
+            "glm4_moe", Layout(gpus=4, tp=2, zero=2, tp_output="gathered"), Rank(0, 1), {}, marks=pytest.mark.slow
+        ),
+        pytest.param(
+            "deepseek_v3", Layout(gpus=4, tp=2, zero=3), Rank(1, 0), {"mixed_precision": "bf16"}, marks=pytest.mark.slow
+        ),
+        pytest.param("qwen3_moe", Layout(gpus=4, pp=2, tp=2, microbatches=4), Rank(pp=1), {}, marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", Layout(gpus=4, cp=2, tp=2, zero=3), Rank(), {}, marks=pytest.mark.slow),
+    ],
+)
+def test_moe_experts_in_parallel_layouts(family, layout, rank, options):
+    """Under FSDP2 over the data-parallel dimension (its bf16 MixedPrecisionPolicy with mixed precision), in
+    pipeline stages and with context parallelism, each rank against the runtime the layout stands for."""
+    model = tiny_model(family, **EXPERTS[family])
+    setup = TrainingSetup(target=Target.CPU, **(EXPERT_SHAPE | options))
+    runtime = runtime_peak(model, setup, layout, rank)
+    estimate = _estimate_2d(model, setup, layout, rank)
+    assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
+
+
+def test_moe_experts_refuse_sequence_parallelism():
+    with torch.device("meta"):
+        structure = model_structure(tiny_model("qwen3_moe").build(TrainingSetup(target=Target.CPU)))
+    with pytest.raises(UserError, match="--sequence-parallel with Qwen3MoeForCausalLM's MoE experts"):
+        megatron_plan(structure, 2, 0, gathered_output=False, sequence_length=32)

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 from pipeline_runtime import pipeline_rank
-from runtimes import dtensor_plan, fake_process_group
+from runtimes import fake_process_group, tensor_parallelize
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.layout import Layout, Rank
@@ -58,7 +58,7 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
         if layout.tp > 1:
             structure = model_structure(net)
             plan = megatron_plan(structure, layout.tp, 0, False, None)
-            parallelize_module(net, mesh, dtensor_plan(plan, net))
+            tensor_parallelize(net, mesh, plan)
             optimizer = build_optimizer(net, run_setup, foreach=None)
             context = loss_parallel
         elif fsdp:
