@@ -154,6 +154,7 @@ class LayoutEstimate:
         reads the busiest rank."""
         self.model_id, self.prepared, self.source, self.dominant = model_id, prepared, source, dominant
         self._parts: dict[Rank, tuple[StepGraph, BatchLine] | None] = {}
+        self._off_line: dict[tuple[Rank, int], StepGraph] = {}  # the last rank steps made off the line (batch 1)
         self._peak_lines: dict[Rank, PeakLine] = {}
         self._results: dict[int, StepResult] = {}
 
@@ -173,7 +174,11 @@ class LayoutEstimate:
             if parts is not None:
                 base, line = parts
                 return line.at(batch) if base is line.one else line.onto(base, batch)
-        return self._transformed(rank, batch)
+        if (rank, batch) not in self._off_line:  # a search reads a batch size's floor, then its report
+            if len(self._off_line) >= len(self.ranks):
+                self._off_line.clear()
+            self._off_line[rank, batch] = self._transformed(rank, batch)
+        return self._off_line[rank, batch]
 
     def _line_parts(self, rank: Rank) -> tuple[StepGraph, BatchLine] | None:
         """The rank's step at 2 and the line its sizes follow: the model-parallel steps' line (shared by the

@@ -32,9 +32,8 @@ class Rewrite:
         self.step = step
         self._inserted: dict[Point, Op] = {}
         self._order = count(1)
-        self._rows: dict[int, tuple[StorageRow, Point | None, Point | None]] = {
-            row.id: (row, _point(row.producer), _point(row.freed_after)) for row in step.storages.values()
-        }
+        # The rows edited or added, with where they are allocated and freed; every other row is the step's own.
+        self._rows: dict[int, tuple[StorageRow, Point | None, Point | None]] = {}
         self._next_id = max(step.storages, default=-1) + 1
         self.transfers = list(step.transfers)
 
@@ -54,30 +53,36 @@ class Rewrite:
         self._inserted[point] = Op(-1, target, module, phase, (), ())
         return point
 
+    def _edited(self, storage_id: int) -> tuple[StorageRow, Point | None, Point | None]:
+        if storage_id in self._rows:
+            return self._rows[storage_id]
+        row = self.step.storages[storage_id]
+        return row, _point(row.producer), _point(row.freed_after)
+
     def resize(
         self, storage_id: int, nbytes: int, dtype: str | None = None, shape: tuple[int, ...] | None = None
     ) -> None:
-        row, first, last = self._rows[storage_id]
+        row, first, last = self._edited(storage_id)
         row = replaced(row, nbytes=nbytes, dtype=dtype or row.dtype, shape=shape or row.shape)
         self._rows[storage_id] = (row, first, last)
 
     def to_host(self, storage_id: int) -> None:
         """The storage lives in host memory instead (offloaded)."""
-        row, first, last = self._rows[storage_id]
+        row, first, last = self._edited(storage_id)
         self._rows[storage_id] = (replaced(row, on_device=False), first, last)
 
     def set_role(self, storage_id: int, role: Role) -> None:
-        row, first, last = self._rows[storage_id]
+        row, first, last = self._edited(storage_id)
         self._rows[storage_id] = (replaced(row, role=role), first, last)
 
     def lifetime(self, storage_id: int) -> tuple[Point | None, Point | None]:
         """Where the storage is allocated and freed now (None: before / after the step)."""
-        _, first, last = self._rows[storage_id]
+        _, first, last = self._edited(storage_id)
         return first, last
 
     def retime(self, storage_id: int, first: Point | object | None = ..., last: Point | object | None = ...) -> None:
         """Move where a storage is allocated (``first``) or freed (``last``); None means before/after the step."""
-        row, old_first, old_last = self._rows[storage_id]
+        row, old_first, old_last = self._edited(storage_id)
         self._rows[storage_id] = (
             row,
             old_first if first is ... else first,
@@ -119,24 +124,53 @@ class Rewrite:
         return storage_id
 
     def row(self, storage_id: int) -> StorageRow:
-        return self._rows[storage_id][0]
+        return self._rows[storage_id][0] if storage_id in self._rows else self.step.storages[storage_id]
 
     def build(self) -> StepGraph:
-        points = sorted([Point(i, 0) for i in range(len(self.step.ops))] + list(self._inserted))
-        index_of = {point: index for index, point in enumerate(points)}
-        renumbered = [index_of[Point(i, 0)] for i in range(len(self.step.ops))]
-        ops = []
-        for index, point in enumerate(points):
-            op = self.step.ops[point.original] if point.slot == 0 else self._inserted[point]
-            ops.append(op if op.index == index else replaced(op, index=index))
+        """The rewritten step: the inserted ops merged into the original ones, everything renumbered. One pass over
+        the original ops, which outnumber the inserted ones by far."""
+        original_ops = self.step.ops
+        inserted = sorted(self._inserted.items())
+        index_of: dict[Point, int] = {}  # inserted points only: an original op's new index is in ``renumbered``
+        renumbered: list[int] = []
+        ops: list[Op] = []
+        next_inserted = 0
+        for position, op in enumerate(original_ops):
+            while next_inserted < len(inserted) and inserted[next_inserted][0] < (position, 0):
+                point, new = inserted[next_inserted]
+                index_of[point] = len(ops)
+                ops.append(replaced(new, index=len(ops)))
+                next_inserted += 1
+            renumbered.append(len(ops))
+            ops.append(op if op.index == len(ops) else replaced(op, index=len(ops)))
+        for point, new in inserted[next_inserted:]:
+            index_of[point] = len(ops)
+            ops.append(replaced(new, index=len(ops)))
+
+        def at(point: Point | None) -> int | None:
+            if point is None:
+                return None
+            return renumbered[point.original] if point.slot == 0 else index_of[point]
+
+        moved = renumbered.__getitem__
+        edited = self._rows
         rows = {}
-        for storage_id, (row, first, last) in self._rows.items():
-            rows[storage_id] = replaced(
-                row,
-                producer=None if first is None else index_of[first],
-                freed_after=None if last is None else index_of[last],
-                users=tuple(renumbered[u] for u in row.users),
-            )
+        for storage_id, row in self.step.storages.items():  # in the step's order: the allocator replays ties in it
+            if storage_id in edited:
+                row, first, last = edited[storage_id]
+                rows[storage_id] = replaced(
+                    row, producer=at(first), freed_after=at(last), users=tuple(map(moved, row.users))
+                )
+            else:
+                rows[storage_id] = replaced(
+                    row,
+                    producer=None if row.producer is None else renumbered[row.producer],
+                    freed_after=None if row.freed_after is None else renumbered[row.freed_after],
+                    users=tuple(map(moved, row.users)),
+                )
+        for storage_id, (row, first, last) in edited.items():
+            if storage_id not in rows:  # added by the rewrite
+                rows[storage_id] = replaced(row, producer=at(first), freed_after=at(last))
         return StepGraph(
             ops=ops,
             storages=rows,
