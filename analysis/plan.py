@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import multiprocessing
-from collections.abc import Callable, Iterator, Sequence
+import pickle
+import queue
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -23,7 +25,7 @@ from analysis.estimate import LayoutEstimate, StepSource
 from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
-from strategies.layout import Layout, prepare
+from strategies.layout import Layout, Rank, prepare
 from strategies.pipeline import schedule_takes
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
@@ -107,6 +109,7 @@ def candidates(
     layouts: list[Layout] = []
     skipped: list[str] = []
     tensor_degrees = []
+    context_degrees = _context_degrees(gpus, setup.seq_len)
     for tp in (t for t in range(1, gpus + 1) if gpus % t == 0):
         if tp > cluster.gpus_per_node:
             skipped.append(f"tensor parallel {tp}: wider than a node of {cluster.gpus_per_node} GPUs")
@@ -123,9 +126,9 @@ def candidates(
         if pipeline != "only":
             layouts += _data_parallel_layouts(gpus, tp, offload)
         if pipeline in ("on", "only") and layers is not None:
-            layouts += _pipeline_layouts(gpus, tp, layers)
-    if setup.seq_len >= CONTEXT_PARALLEL_FROM and pipeline != "only":
-        layouts += _context_parallel_layouts(gpus, setup.seq_len, tensor_degrees)
+            layouts += _pipeline_layouts(gpus, tp, layers, context_degrees)
+    if pipeline != "only":
+        layouts += _context_parallel_layouts(gpus, tensor_degrees, context_degrees)
     if experts and pipeline != "only":
         expert_parallel, wide = _expert_parallel_layouts(gpus, experts, cluster.gpus_per_node, routing_imbalance)
         layouts += expert_parallel
@@ -142,12 +145,24 @@ def candidates(
     return chosen, skipped
 
 
-def _context_parallel_layouts(gpus: int, seq_len: int, tensor_degrees: list[int]) -> list[Layout]:
-    """Long sequences split over 2 to 8 GPUs by torch's context_parallel, alone or with each tensor-parallel degree
-    the model takes, the parameters sharded over the data- and context-parallel GPUs (FSDP2, as torchtitan shards
-    over its dp_shard x cp mesh)."""
-    degrees = [c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0]
-    return [Layout(gpus=gpus, cp=cp, tp=tp, zero=3) for tp in tensor_degrees for cp in degrees if gpus % (cp * tp) == 0]
+def _context_degrees(gpus: int, seq_len: int) -> list[int]:
+    """The context-parallel degrees searched: 2 to 8 GPUs splitting each sequence into twice as many equal chunks
+    (torch's load-balanced context_parallel), for sequences from ``CONTEXT_PARALLEL_FROM`` tokens."""
+    if seq_len < CONTEXT_PARALLEL_FROM:
+        return []
+    return [c for c in range(2, min(gpus, MAX_CONTEXT_PARALLEL) + 1) if gpus % c == 0 and seq_len % (2 * c) == 0]
+
+
+def _context_parallel_layouts(gpus: int, tensor_degrees: list[int], context_degrees: list[int]) -> list[Layout]:
+    """Long sequences split by context parallelism, alone or with each tensor-parallel degree the model takes, the
+    parameters sharded over the data- and context-parallel GPUs (FSDP2, as torchtitan shards over its dp_shard x cp
+    mesh)."""
+    return [
+        Layout(gpus=gpus, cp=cp, tp=tp, zero=3)
+        for tp in tensor_degrees
+        for cp in context_degrees
+        if gpus % (cp * tp) == 0
+    ]
 
 
 def _expert_parallel_layouts(
@@ -202,18 +217,24 @@ def _data_parallel_layouts(gpus: int, tp: int, offload: bool) -> list[Layout]:
     return layouts
 
 
-def _pipeline_layouts(gpus: int, tp: int, layers: int) -> list[Layout]:
-    """Pipelines of up to ``MAX_PIPELINE_STAGES`` ranks dividing the GPUs left by tensor parallelism, under 1F1B
-    (GPipe holds more for the same bubble) and, where the layers make two stages a rank, interleaved 1F1B (a
-    bubble halved for more microbatches in flight), each stage sharded as torchtitan shards it (FSDP2 without
-    resharding after forward) over its data-parallel GPUs; their microbatches are chosen by the search."""
+def _pipeline_layouts(gpus: int, tp: int, layers: int, context_degrees: list[int]) -> list[Layout]:
+    """Pipelines of up to ``MAX_PIPELINE_STAGES`` ranks dividing the GPUs left by tensor (and, for long sequences,
+    context) parallelism, under 1F1B (GPipe holds more for the same bubble) and, where the layers make two stages a
+    rank, interleaved 1F1B (a bubble halved for more microbatches in flight), each stage sharded as torchtitan
+    shards it (FSDP2 without resharding after forward) over its data- and context-parallel GPUs; their microbatches
+    are chosen by the search."""
     layouts = []
-    for pp in (p for p in range(2, min(gpus // tp, layers, MAX_PIPELINE_STAGES) + 1) if gpus // tp % p == 0):
-        zero = 0 if gpus // (tp * pp) == 1 else 2
-        schedules = ("1f1b", "interleaved-1f1b") if layers >= 2 * pp else ("1f1b",)
-        layouts += [
-            Layout(gpus=gpus, tp=tp, pp=pp, pp_schedule=schedule, microbatches=pp, zero=zero) for schedule in schedules
-        ]
+    for cp in (1, *context_degrees):
+        left = gpus // (tp * cp)
+        if gpus % (tp * cp):
+            continue
+        for pp in (p for p in range(2, min(left, layers, MAX_PIPELINE_STAGES) + 1) if left % p == 0):
+            zero = 0 if left // pp == 1 and cp == 1 else 2
+            schedules = ("1f1b", "interleaved-1f1b") if layers >= 2 * pp else ("1f1b",)
+            layouts += [
+                Layout(gpus=gpus, tp=tp, pp=pp, cp=cp, pp_schedule=schedule, microbatches=pp, zero=zero)
+                for schedule in schedules
+            ]
     return layouts
 
 
@@ -279,7 +300,9 @@ def _search_all(
         on_progress(tracing, done + 1, len(pairs))
     outcomes: list[Outcome | None] = [None] * len(chosen)
     with _traces_frozen():
-        searched = _in_processes(lambda index: _search(search, chosen[index]), len(chosen), jobs)
+        searched = _in_processes(
+            lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
+        )
         on_progress("largest micro-batch of each layout", 0, len(chosen))
         for done, (index, outcome) in enumerate(searched):
             outcomes[index] = outcome
@@ -338,6 +361,14 @@ class _Search:
             needed += [(accumulating, batch) for batch in (1, 2, 3)]
         return needed
 
+    def shares(self, candidate: Candidate) -> Hashable | None:
+        """What the candidate's search shares with other candidates' (None: nothing worth keeping together): the
+        model-parallel slices of its step, which the first candidate to need them builds."""
+        estimate = self.layout_estimate(self.candidate_setup(candidate), candidate.layout)
+        if not estimate.prepared.splits_the_model:
+            return None
+        return id(estimate.source), estimate.prepared.model_parallel_key(Rank())
+
     def per_rank_batch(self, layout: Layout) -> int | None:
         """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it
         does not split evenly)."""
@@ -374,26 +405,77 @@ def _traces_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _in_processes(work: Callable[[int], T], count: int, jobs: int) -> Iterator[tuple[int, T]]:
+def _in_processes(
+    work: Callable[[int], T], count: int, jobs: int, together: Callable[[int], Hashable | None] = lambda index: None
+) -> Iterator[tuple[int, T]]:
     """``(index, work(index))`` for every index below ``count``, in the order they finish, computed by up to
-    ``jobs`` forked processes, which inherit everything ``work`` reads (the traces); only results travel back."""
+    ``jobs`` forked processes, which inherit everything ``work`` reads (the traces); only results travel back.
+
+    Indices with the same ``together`` key (None: none) run in one process, one after another: they share what the
+    first of them builds (a tensor-parallel slice of a step), which another process would build again. Each process
+    takes the next group when it is done with one, the largest groups first."""
     if jobs <= 1 or count <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         yield from ((index, work(index)) for index in range(count))
         return
+    groups: dict[Hashable, list[int]] = {}
+    for index in range(count):
+        key = together(index)
+        groups.setdefault(("alone", index) if key is None else key, []).append(index)
     global _FORKED_WORK
     _FORKED_WORK = work
+    context = multiprocessing.get_context("fork")
+    tasks, results = context.SimpleQueue(), context.Queue()
+    for group in sorted(groups.values(), key=len, reverse=True):
+        tasks.put(group)
+    workers = [context.Process(target=_run_forked, args=(tasks, results)) for _ in range(min(jobs, len(groups)))]
+    for _ in workers:
+        tasks.put(None)
     try:
-        with multiprocessing.get_context("fork").Pool(min(jobs, count)) as pool:
-            yield from pool.imap_unordered(_run_forked, range(count))
+        for worker in workers:
+            worker.start()
+        for _ in range(count):
+            index, failure, result = _next_result(results, workers)
+            if failure is not None:
+                raise failure
+            yield index, result
     finally:
         _FORKED_WORK = None
+        for worker in workers:
+            worker.kill()
+            worker.join()
 
 
 _FORKED_WORK: Callable[[int], object] | None = None  # what forked workers run
 
 
-def _run_forked(index: int) -> tuple[int, object]:
-    return index, _FORKED_WORK(index)
+def _run_forked(tasks, results) -> None:
+    """A worker: each group of indices it takes, one result at a time, a failure in place of a result."""
+    while (group := tasks.get()) is not None:
+        for index in group:
+            try:
+                results.put((index, None, _FORKED_WORK(index)))
+            except Exception as error:  # travels to the parent, which raises it
+                results.put((index, error if _picklable(error) else RuntimeError(repr(error)), None))
+                return
+
+
+def _picklable(error: Exception) -> bool:
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return False
+    return True
+
+
+def _next_result(results, workers: list) -> tuple[int, Exception | None, object]:
+    """The next result any worker sends; a worker that died without sending one fails the search."""
+    while True:
+        try:
+            return results.get(timeout=1)
+        except queue.Empty:
+            dead = [worker.exitcode for worker in workers if worker.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a search process died (exit code {dead[0]}); retry with --jobs 1") from None
 
 
 def _search(search: _Search, candidate: Candidate) -> Outcome:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from analysis.budget import MemoryBudget
 from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
-from analysis.plan import Candidate, _largest_fitting, candidates, plan
+from analysis.plan import Candidate, _in_processes, _largest_fitting, candidates, plan
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from analysis.sweep import run_sweep
 from strategies.layout import Layout, Rank, prepare
@@ -227,6 +228,23 @@ def test_candidates_cover_data_and_tensor_parallel_with_and_without_checkpointin
     assert Candidate(Layout(gpus=4, zero=3, engine="deepspeed", offload="optimizer,params"), "full") in seen
 
 
+def test_search_processes_keep_groups_together_and_raise_failures():
+    """Candidates that share a model-parallel slice run in one process; a failure in a worker is raised here."""
+    results = dict(_in_processes(lambda index: (index * index, os.getpid()), 9, 2, lambda index: index % 3 or None))
+    assert [square for square, _ in sorted(results.values())] == [index * index for index in range(9)]
+    for group in ([1, 4, 7], [2, 5, 8]):
+        assert len({results[index][1] for index in group}) == 1
+    assert {pid for _, pid in results.values()} - {os.getpid()}  # forked workers did the work
+
+    def fail(index: int) -> int:
+        if index == 5:
+            raise ValueError("layout 5 failed")
+        return index
+
+    with pytest.raises(ValueError, match="layout 5 failed"):
+        list(_in_processes(fail, 8, 2))
+
+
 def test_plan_cli_json(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(tiny_model("llama").config.to_json_string())
@@ -365,6 +383,28 @@ def test_long_sequences_are_planned_with_context_parallelism():
         report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), outcome.candidate.layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
         assert outcome.time.communication_s > 0
+
+
+@pytest.mark.slow
+def test_long_sequences_are_pipelined_with_context_parallelism():
+    """--pipeline on at 16k tokens adds pipelines whose stages run context parallel (torchtitan's pp x dp x cp mesh),
+    each one's memory analyze's for that layout at its micro-batch and microbatches."""
+    model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=16384)
+    setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=8 * 1024**3)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, setup, 4, Cluster(gpu), budget, global_batch=4, offload=False, pipeline="on")
+    ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.candidate.layout.pp > 1]
+    assert {(o.candidate.layout.cp, o.candidate.layout.pp_schedule) for o in ringed} == {
+        (2, "1f1b"),
+        (2, "interleaved-1f1b"),
+    }
+    for outcome in ringed:
+        layout = outcome.candidate.layout
+        assert outcome.fits and layout.pp == 2 and layout.stage_microbatches == outcome.accumulation
+        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        assert budget.needed_bytes(report) == outcome.needed_bytes, layout.describe()
+        assert outcome.time.pipeline_bubble_s > 0 and outcome.time.communication_s > 0
 
 
 def test_moe_models_are_planned_with_expert_parallelism():
