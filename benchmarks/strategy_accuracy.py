@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from runtimes import runtime_peak
-from tiny_models import tiny_model
+from tiny_models import EXPERTS_DOMINATE, tiny_model
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
@@ -65,6 +65,27 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
     found.append(("gemma2", Layout(gpus=4, tp=2, zero=3, tp_output="gathered"), Rank(1, 1), SPLITTABLE, {}))
     found.append(("gpt_neox", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), SPLITTABLE, {}))
     found.append(("llama", Layout(gpus=4, tp=2, zero=3, sequence_parallel=True), Rank(1, 1), SPLITTABLE, {}))
+    found.append(("llama", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), SPLITTABLE, {"mixed_precision": "bf16"}))
+    # MoE experts under transformers' own styles, the rest of the plan DTensor's, at 2 x 64 tokens
+    experts, shape = {family: SPLITTABLE | overrides for family, overrides in EXPERTS_DOMINATE.items()}, {"seq_len": 64}
+    for family in experts:
+        for degree in (2, 4):
+            found.append((family, Layout(gpus=degree, tp=degree), Rank(), experts[family], shape))
+    for family, layout, rank, options in (
+        ("qwen3_moe", Layout(gpus=4, tp=4, tp_output="gathered"), Rank(tp=3), {}),
+        ("qwen3_moe", Layout(gpus=2, tp=2), Rank(tp=1), {"grad_checkpointing": "full"}),
+        ("mixtral", Layout(gpus=2, tp=2), Rank(), {"grad_checkpointing": "full", "mixed_precision": "bf16"}),
+        ("glm4_moe", Layout(gpus=2, tp=2, tp_output="gathered"), Rank(), {"grad_accum": 2}),
+        ("qwen3_moe", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), {}),
+        ("mixtral", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {"grad_checkpointing": "full"}),
+        ("glm4_moe", Layout(gpus=4, tp=2, zero=2, tp_output="gathered"), Rank(0, 1), {}),
+        ("glm4_moe", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {"mixed_precision": "bf16"}),
+        ("deepseek_v3", Layout(gpus=4, tp=2, zero=3), Rank(1, 0), {"mixed_precision": "bf16"}),
+        ("qwen3_moe", Layout(gpus=4, pp=2, tp=2, microbatches=4), Rank(pp=0), {}),
+        ("qwen3_moe", Layout(gpus=4, pp=2, tp=2, microbatches=4), Rank(pp=1), {}),
+        ("qwen3_moe", Layout(gpus=4, cp=2, tp=2, zero=3), Rank(), {}),
+    ):
+        found.append((family, layout, rank, experts[family], shape | options))
     adapters = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
     for layout, options in (
         (Layout(gpus=4, zero=3), {"lora": adapters}),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from runtimes import runtime_peak, tensor_parallel_peak
-from tiny_models import tiny_model
+from tiny_models import EXPERTS_DOMINATE, tiny_model
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
@@ -20,19 +20,10 @@ from tracer.training import Target, TrainingSetup
 TOLERANCE = 0.01
 # Heads and kv heads that 2 and 4 divide, leaving each rank at least two (with one, some layout copies vanish).
 SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
-# MoE layers whose experts dominate: eight of them, four per token, intermediate size 128 (twice the hidden size),
-# a vocabulary of 32 and sequences of 64, so that the peak falls in the last MoE layer's backward, among the
-# experts' activations and gradients.
+# MoE families whose experts dominate the step (GLM-4.5 and DeepSeek-V3 with shared experts and a dense first layer,
+# DeepSeek-V3's attention left whole by its plan), at the shape that puts the peak among them.
+EXPERTS = {family: SPLITTABLE | overrides for family, overrides in EXPERTS_DOMINATE.items()}
 EXPERT_SHAPE = {"batch_size": 2, "seq_len": 64}
-EXPERTS = {
-    family: SPLITTABLE | {"vocab_size": 32, "num_hidden_layers": 4, "num_experts_per_tok": 4} | sizes
-    for family, sizes in {
-        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 128},
-        "mixtral": {"num_local_experts": 8, "intermediate_size": 128},
-        "glm4_moe": {"n_routed_experts": 8, "moe_intermediate_size": 128},  # shared experts, a dense first layer
-        "deepseek_v3": {"n_routed_experts": 8, "moe_intermediate_size": 128},  # attention left whole by its plan
-    }.items()
-}
 
 
 def _estimate(

@@ -252,6 +252,19 @@ TINY_CONFIGS["qwen3_next"] = {
 }
 FAMILIES = tuple(TINY_CONFIGS)
 
+# Overrides under which a MoE family's experts dominate a training step: eight experts, four per token, an intermediate
+# size twice the hidden size, four layers and a vocabulary of 32 (at 2 x 64 tokens the peak falls in the last MoE
+# layer's backward, among the experts' activations and gradients).
+EXPERTS_DOMINATE = {
+    family: {"vocab_size": 32, "num_hidden_layers": 4, "num_experts_per_tok": 4} | sizes
+    for family, sizes in {
+        "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 128},
+        "mixtral": {"num_local_experts": 8, "intermediate_size": 128},
+        "glm4_moe": {"n_routed_experts": 8, "moe_intermediate_size": 128},
+        "deepseek_v3": {"n_routed_experts": 8, "moe_intermediate_size": 128},
+    }.items()
+}
+
 
 def tiny_model(family: str, **overrides) -> ResolvedModel:
     fields = {**IDS, "vocab_size": VOCAB, **TINY_CONFIGS[family], **overrides}
