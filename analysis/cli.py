@@ -169,7 +169,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tracer.resolve import resolve_model
     from tracer.units import parse_bytes
 
-    memory = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else find_gpu(args.gpu).memory_bytes
+    gpu = find_gpu(args.gpu)
+    memory = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else gpu.memory_bytes
     dtype = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     non_torch = parse_bytes(args.non_torch_memory, "--non-torch-memory") if args.non_torch_memory != "0" else 0
     model = resolve_model(args.model)
@@ -189,6 +190,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         dtype=dtype,
         non_torch_bytes=non_torch,
         quantization=args.quantization,
+        compute_capability=gpu.compute_capability,
     )
     startup = vllm_startup(model.config, setup)
     print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from analysis.vllm_weights import RankWeights, rank_weights
+from analysis.vllm_weights import HOPPER, WNA16, RankWeights, rank_weights
 from tracer.errors import UserError
 from tracer.published import quant_method
 
@@ -71,6 +71,7 @@ class VllmSetup:
     dtype: torch.dtype | None = None  # None: the checkpoint's, as vLLM's dtype="auto" (fp32 served as bf16)
     non_torch_bytes: int = 0
     quantization: str | None = None  # "fp8": dynamic FP8 of a 16-bit checkpoint's linear layers
+    compute_capability: tuple[int, int] = HOPPER  # picks GPTQ's and AWQ's kernels (serve --gpu's; default h100)
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,20 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
 
     _check(config, setup)
     method = quant_method(config)
-    if method not in (None, "mxfp4"):
+    if method not in (None, "mxfp4", *WNA16):
         raise UserError(
             f"this checkpoint is published quantized ({method}); serve models 16-bit checkpoints, vLLM's "
-            "--quantization fp8 of them, and gpt-oss's MXFP4. Pass a config.json without quantization_config to size "
-            "the unquantized model (with --quantization fp8 for FP8 weights)."
+            "--quantization fp8 of them, GPTQ and AWQ checkpoints, and gpt-oss's MXFP4. Pass a config.json without "
+            "quantization_config to size the unquantized model (with --quantization fp8 for FP8 weights)."
         )
     if method and setup.quantization:
         raise UserError(f"--quantization {setup.quantization}: this checkpoint is already quantized ({method}).")
+    if method in WNA16 and _experts(config):
+        raise UserError(
+            f"a {method.upper()} MoE checkpoint: vLLM's kernels for quantized experts (GPTQMarlinMoEMethod, "
+            "AWQMarlinMoEMethod, MoeWNA16) are not modelled. Pass a config.json without quantization_config to size "
+            "the 16-bit model."
+        )
     dtype = setup.dtype or _served_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -140,7 +147,7 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     return VllmStartup(
         setup,
         max_model_len,
-        rank_weights(model, config, setup.tensor_parallel_size, setup.quantization or method),
+        rank_weights(model, config, setup.tensor_parallel_size, setup.quantization or method, setup.compute_capability),
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
@@ -214,11 +221,7 @@ def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
     else:
         attention = tokens * ((heads // tp) * head * 2 + 2 * kv_heads * head)  # qkv, then the attention output
     parts = {"attention": (stream + attention) * dtype_bytes}
-    experts = (
-        getattr(config, "num_local_experts", None)
-        or getattr(config, "num_experts", None)
-        or getattr(config, "n_routed_experts", None)
-    )
+    experts = _experts(config)
     dense_layers = getattr(config, "first_k_dense_replace", 0) or len(getattr(config, "mlp_only_layers", ()) or ())
     if not experts or dense_layers:
         intermediate = config.intermediate_size // tp
@@ -239,6 +242,14 @@ def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
     return parts
 
 
+def _experts(config) -> int | None:
+    return (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
+
+
 def startup_json(startup: VllmStartup) -> dict:
     return {
         "engine": "vllm",
@@ -247,6 +258,7 @@ def startup_json(startup: VllmStartup) -> dict:
         "gpu_memory_utilization": startup.setup.gpu_memory_utilization,
         "requested_bytes": startup.requested_bytes,
         "weights_bytes": startup.weights.total,
+        "weight_kernels": startup.weights.kernels,
         "activation_peak_bytes": startup.activation_peak_bytes,
         "activation_peak_by_part": startup.activation_parts,
         "non_torch_bytes": startup.setup.non_torch_bytes,
@@ -270,12 +282,14 @@ def render_startup(model, startup: VllmStartup) -> str:
         return f"{nbytes / GIB:.2f}GiB"
 
     kinds = ", ".join(f"{count} {kind}" for kind, count in startup.layout.kinds.items())
+    kernels = "".join(f", {count} layers on {kernel}" for kernel, count in startup.weights.kernels.items())
     window = f", window {startup.layout.sliding_window}" if startup.layout.sliding_window else ""
     lines = [
         f"{model.model_id} served by vLLM (V1 engine), tensor parallel {setup.tensor_parallel_size}; per GPU:",
         f"  the current vLLM instance can use total_gpu_memory ({gib(setup.gpu_memory_bytes)}) x "
         f"gpu_memory_utilization ({setup.gpu_memory_utilization:.2f}) = {gib(startup.requested_bytes)}",
-        f"  model weights take {gib(startup.weights.total)} (rotary cos/sin cache {gib(startup.weights.rotary_bytes)})",
+        f"  model weights take {gib(startup.weights.total)} (rotary cos/sin cache {gib(startup.weights.rotary_bytes)}"
+        f"{kernels})",
         f"  non_torch_memory takes {gib(setup.non_torch_bytes)} (not predicted: --non-torch-memory)",
         f"  PyTorch activation peak memory takes {gib(startup.activation_peak_bytes)} (profile run: "
         f"{setup.max_num_batched_tokens} tokens, sampler on {min(setup.max_num_seqs, setup.max_num_batched_tokens)} "

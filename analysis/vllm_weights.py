@@ -27,6 +27,46 @@ fused_moe/oracle/mxfp4.py) hold per rank an intermediate size rounded up to 64, 
 uint8 scale per 32 as loaded, then ``_swizzle_mxfp4`` lays the values out again padded to 64 and the scales padded
 to 256 rows, dropping the loaded values but keeping the loaded scales; the biases become float32.
 
+GPTQ and AWQ checkpoints are followed from vLLM 0.19.0, the version of the published logs (paths under
+vllm/model_executor/):
+
+* The method: ``ModelConfig._verify_quantization`` (vllm/config/model.py) asks the Marlin overrides first.
+  ``GPTQMarlinConfig.is_gptq_marlin_compatible`` (layers/quantization/gptq_marlin.py) takes a ``gptq`` checkpoint
+  whose ``bits`` and ``sym`` are (4, true) or (8, true), whose ``group_size`` is -1, 32, 64 or 128
+  (``MARLIN_SUPPORTED_GROUP_SIZES``, layers/quantization/utils/marlin_utils.py) and which states ``desc_act``;
+  ``AWQMarlinConfig.is_awq_marlin_compatible`` (awq_marlin.py) an ``awq`` one of 4 bits with ``zero_point`` (uint4 is
+  Marlin's one zero-point type, ``query_marlin_supported_quant_types``) and those group sizes, on sm80 or newer
+  (``get_min_capability``). Other checkpoints run on the older ``gptq`` (ExLlama) and ``awq`` kernels and are refused
+  here, as are AWQ's GEMV layouts (vLLM reads every AWQ checkpoint as GEMM-packed), GPTQ's ``dynamic`` per-module
+  overrides, a quantized lm_head and MoE experts (``GPTQMarlinMoEMethod``, ``AWQMarlinMoEMethod``, ``MoeWNA16``).
+* The kernel, layer by layer: ``choose_mp_linear_kernel`` (kernels/linear/__init__.py) takes the first of
+  ``_POSSIBLE_KERNELS`` that can implement the fused layer's shape on the rank (kernels/linear/mixed_precision/):
+  ``MacheteLinearKernel`` (sm90 exactly; group -1, 64 or 128; input features per rank a multiple of 64, output
+  features of 128, ``check_machete_supports_shape``; not an act-order layer whose input is split), then
+  ``AllSparkLinearKernel`` (sm80 to sm89, 8-bit GPTQ per channel only: refused here), then ``MarlinLinearKernel``
+  (input a multiple of 128, output of 64, whole groups per rank: ``verify_marlin_supports_shape``). An AWQ layer
+  Marlin's shapes refuse (``check_marlin_supports_layer``) falls back to ``AWQLinearMethod`` (awq.py), which keeps
+  the checkpoint's tensors as loaded.
+* What a layer keeps after ``process_weights_after_loading``, per rank (``pack = 32 / bits``): the weight repacked
+  (``gptq_marlin_repack``, ``machete_prepack_B``; AWQ's first by ``_convert_awq_to_standard_format``) into the same
+  ``in x out x bits / 8`` bytes, and the scales, ``groups x out`` in the model dtype. GPTQ on Machete also keeps the
+  loaded ``qzeros`` (``groups x out / pack`` int32) and ``g_idx`` (an int32 per input feature), and with act-order
+  the activations' permutation ``perm`` (as many); on Marlin its zeros become an empty tensor and ``g_idx`` is kept
+  sorted beside ``g_idx_sort_indices`` with act-order, both empty without (``marlin_sort_g_idx``,
+  ``marlin_make_empty_g_idx``). AWQ's zero points become Marlin's packed int32 (``marlin_zero_points``, the bytes
+  loaded) or, on Machete, ``-scale x zero`` in the model dtype, as large as the scales. Marlin's workspace
+  (``marlin_make_workspace_new``: an int32 per SM, 528 bytes per layer on an H100) is not counted.
+* Tensor parallelism: the column-parallel layers (qkv, gate_up) split the output and keep every input group; the
+  row-parallel ones (o, down) split the input and their scales and zeros with it, unless the checkpoint is act-order
+  or per channel (``marlin_repeat_scales_on_all_ranks``): then every rank holds all ``input / group`` rows
+  (``GPTQMarlinLinearMethod.create_weights``).
+* Unquantized: the embeddings, the lm_head, norms and the linear layers ``modules_to_not_convert`` names (AWQ,
+  ``is_layer_skipped``) or ``modules_in_block_to_quantize`` leaves out (GPTQ, ``is_layer_gptq_quantized``), in the
+  served dtype. Without those lists vLLM reads the quantized layers from the safetensors' dtypes
+  (``maybe_update_config``), which a config does not carry: every linear layer of the decoder is counted quantized.
+  ``dtype="auto"`` is the checkpoint's ``torch_dtype`` (``_get_and_verify_dtype``), float16 for most GPTQ and AWQ
+  checkpoints; both methods take float16 or bfloat16 (``get_supported_act_dtypes``).
+
 ``get_rope`` (rotary_embedding.py) adds one ``cos_sin_cache`` buffer per distinct rotary setup,
 ``max_position_embeddings x rotary_dim`` in the model's dtype, shared by every layer.
 """
@@ -34,18 +74,28 @@ to 256 rows, dropping the loaded values but keeping the loaded scales; the biase
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tracer.errors import UserError
+from tracer.packed import AWQ_FORMAT, GPTQ_FORMATS, PACK_BITS
 from tracer.published import MXFP4_VALUES_PER_SCALE
 from tracer.units import round_up
 
 VOCAB_PADDING = 64  # vocab_parallel_embedding.py: DEFAULT_VOCAB_PADDING_SIZE
 FP8_SCALE_BYTES = 4  # one float32 scale per layer (per tensor), as scaled_fp8_quant computes it
 MXFP4_TRITON_ALIGNMENT = 64  # oracle/mxfp4.py: the intermediate size per rank rounded up for the Triton backend
+WNA16 = ("gptq", "awq")  # checkpoints vLLM runs on its Marlin and Machete kernels
+GPTQ_MARLIN_TYPES = ((4, True), (8, True))  # GPTQMarlinConfig.TYPE_MAP: (bits, sym)
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # marlin_utils.py: MARLIN_SUPPORTED_GROUP_SIZES
+MACHETE_GROUP_SIZES = (-1, 64, 128)  # machete_utils.py: query_machete_supported_group_sizes for 16-bit activations
+MACHETE_BLOCK = (64, 128)  # machete_utils.py: MACHETE_PREPACKED_BLOCK_SHAPE, input and output features per rank
+MARLIN_MIN_THREAD = (128, 64)  # marlin_utils.py: GPTQ_MARLIN_MIN_THREAD_K and _N, input and output features per rank
+HOPPER = (9, 0)  # MacheteLinearKernel.can_implement: is_device_capability(90)
+MIN_CAPABILITY = {"gptq": (7, 5), "awq": (8, 0)}  # Marlin's quant types from sm75; AWQMarlinConfig.get_min_capability
+INDEX_BYTES = 4  # g_idx, g_idx_sort_indices and Machete's perm are int32
 
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|wte|word_embeddings|embed_in|embed_out)\.weight$")
 _KEY_VALUE = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
@@ -63,15 +113,91 @@ _REPLICATED = re.compile(r"\.(gate|router|q_a_proj|kv_a_proj_with_mqa)\.(weight|
 class RankWeights:
     parameter_bytes: int  # the rank's share of every parameter
     rotary_bytes: int  # the cos/sin cache get_rope keeps
+    kernels: dict[str, int] = field(default_factory=dict)  # GPTQ/AWQ: vLLM's kernel -> how many layers run on it
 
     @property
     def total(self) -> int:
         return self.parameter_bytes + self.rotary_bytes
 
 
-def rank_weights(model: nn.Module, config, tp: int, quantization: str | None = None) -> RankWeights:
+@dataclass(frozen=True)
+class Wna16:
+    """A GPTQ or AWQ ``quantization_config`` as vLLM 0.19 reads it (``GPTQMarlinConfig``, ``AWQMarlinConfig``)."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group over every input feature
+    desc_act: bool  # GPTQ's act-order; GPTQMarlinConfig drops it when there is one group
+    quantized: tuple[str, ...] | None  # GPTQ's modules_in_block_to_quantize; None: every linear layer
+    skipped: tuple[str, ...]  # AWQ's modules_to_not_convert
+
+    @property
+    def pack(self) -> int:
+        return PACK_BITS // self.bits
+
+    def quantizes(self, module: str) -> bool:
+        """Whether the linear layer ``module`` (its unfused name) is quantized: substring matches, as vLLM's
+        ``is_layer_gptq_quantized`` and ``is_layer_skipped(skip_with_substr=True)``."""
+        if any(name in module for name in self.skipped):
+            return False
+        return self.quantized is None or any(name in module for name in self.quantized)
+
+
+def wna16_format(config) -> Wna16:
+    """The checkpoint's layout, refusing what vLLM 0.19 does not run on its Marlin or Machete kernels."""
+    quantization = config.quantization_config
+    fields = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    method = str(fields.get("quant_method")).lower()
+    bits, group_size = fields.get("bits"), fields.get("group_size")
+    fix = "Pass a config.json without quantization_config to size the 16-bit model."
+    if group_size not in MARLIN_GROUP_SIZES:
+        raise UserError(
+            f"{method.upper()} group_size {group_size}: vLLM runs group sizes {', '.join(map(str, MARLIN_GROUP_SIZES))}"
+            f" on Marlin (MARLIN_SUPPORTED_GROUP_SIZES) and others on its older {method} kernels, which are not "
+            f"modelled. {fix}"
+        )
+    if fields.get("lm_head"):
+        raise UserError(f"A {method.upper()} checkpoint with a quantized lm_head is not modelled. {fix}")
+    if method == "gptq":
+        sym, desc_act = fields.get("sym"), fields.get("desc_act")
+        layout = str(fields.get("checkpoint_format") or "gptq").lower()
+        if (bits, sym) not in GPTQ_MARLIN_TYPES or desc_act is None or layout not in GPTQ_FORMATS:
+            raise UserError(
+                f"GPTQ with bits={bits}, sym={sym}, desc_act={desc_act}, format {layout!r}: vLLM runs symmetric 4- and "
+                "8-bit GPTQ checkpoints that state desc_act on gptq_marlin (is_gptq_marlin_compatible); this one would "
+                f"load on its ExLlama gptq kernels, which are not modelled. {fix}"
+            )
+        if fields.get("dynamic"):
+            raise UserError(f"GPTQ's dynamic per-module overrides (bits, group size by layer) are not modelled. {fix}")
+        blocks = fields.get("modules_in_block_to_quantize") or ()
+        names = tuple(name for group in blocks for name in ([group] if isinstance(group, str) else group))
+        return Wna16(method, bits, group_size, bool(desc_act) and group_size != -1, names or None, ())
+    layout = str(fields.get("version") or AWQ_FORMAT).lower()
+    if layout != AWQ_FORMAT:
+        raise UserError(
+            f"AWQ version {layout!r}: vLLM reads every AWQ checkpoint as GEMM-packed (awq.py), so a {layout} "
+            f"checkpoint does not load. Use the checkpoint's GEMM export. {fix}"
+        )
+    if bits != 4 or not fields.get("zero_point") or group_size == -1:
+        raise UserError(
+            f"AWQ with bits={bits}, zero_point={fields.get('zero_point')}, group_size={group_size}: vLLM runs 4-bit "
+            "AWQ with zero points and groups on awq_marlin (is_awq_marlin_compatible); this one would load on its "
+            f"older awq kernels, which are not modelled. {fix}"
+        )
+    skipped = tuple(fields.get("modules_to_not_convert") or ())
+    return Wna16(method, bits, group_size, False, None, skipped)
+
+
+def rank_weights(
+    model: nn.Module,
+    config,
+    tp: int,
+    quantization: str | None = None,
+    compute_capability: tuple[int, int] = HOPPER,
+) -> RankWeights:
     """What one of ``tp`` ranks holds of ``model`` (built on the meta device) once vLLM has loaded it: its linear
-    layers and experts in FP8 with ``--quantization fp8``, gpt-oss's experts in MXFP4 for an ``mxfp4`` checkpoint."""
+    layers and experts in FP8 with ``--quantization fp8``, gpt-oss's experts in MXFP4 for an ``mxfp4`` checkpoint,
+    the linear layers of a GPTQ or AWQ checkpoint as the kernels ``compute_capability`` gets keep them."""
     heads = config.num_attention_heads
     if heads % tp:
         raise UserError(
@@ -80,16 +206,116 @@ def rank_weights(model: nn.Module, config, tp: int, quantization: str | None = N
         )
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     intermediate = {getattr(config, name, None) for name in ("intermediate_size", "moe_intermediate_size")} - {None}
+    wna16 = wna16_format(config) if quantization in WNA16 else None
+    fused: dict[str, _FusedLinear] = {}
     total = 0
     for name, parameter in model.named_parameters():
         if quantization == "mxfp4" and _EXPERTS.search(name):
             continue  # counted per layer below
-        numel = _rank_numel(name, tuple(parameter.shape), tp, kv_heads, intermediate)
+        shape = tuple(parameter.shape)
+        if wna16 and name.endswith(".weight") and _quantized_linear(name) and wna16.quantizes(name[: -len(".weight")]):
+            _fuse(fused, name, shape, tp, kv_heads)  # counted per fused layer below
+            continue
+        numel = _rank_numel(name, shape, tp, kv_heads, intermediate)
         quantized = quantization == "fp8" and _quantized_linear(name)
         total += numel + FP8_SCALE_BYTES if quantized else numel * parameter.element_size()
     if quantization == "mxfp4":
         total += config.num_hidden_layers * _mxfp4_experts_bytes(config, tp)
-    return RankWeights(total, _rotary_bytes(config, _dtype(model)))
+    kernels: dict[str, int] = {}
+    for layer in fused.values():
+        if len(layer.in_features) > 1:
+            raise UserError(f"the layers vLLM fuses into {layer.name} have different input sizes: not modelled.")
+        kernel = _wna16_kernel(wna16, layer, compute_capability)
+        kernels[kernel] = kernels.get(kernel, 0) + 1
+        total += _wna16_bytes(wna16, kernel, layer, _dtype(model).itemsize)
+    return RankWeights(total, _rotary_bytes(config, _dtype(model)), kernels)
+
+
+@dataclass
+class _FusedLinear:
+    """One of vLLM's linear layers on one rank, its parts' shapes summed (QKVParallelLinear and
+    MergedColumnParallelLinear fuse q/k/v and gate/up)."""
+
+    name: str
+    in_features: set[int]  # whole, before the row-parallel split
+    in_rank: int = 0
+    out_rank: int = 0
+    row_parallel: bool = False
+
+
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def _fuse(fused: dict[str, _FusedLinear], name: str, shape: tuple[int, ...], tp: int, kv_heads: int) -> None:
+    """Add an ``nn.Linear`` weight (out x in) to the vLLM layer it is part of, with its share on one rank."""
+    module = name[: -len(".weight")]
+    parent, _, leaf = module.rpartition(".")
+    key = f"{parent}.{_FUSED.get(leaf, leaf)}"
+    in_features = shape[1]
+    row_parallel = bool(_ROW.search(name)) and tp > 1
+    in_rank = in_features // tp if row_parallel else in_features
+    out_rank = _rank_numel(name, shape, tp, kv_heads, set()) // in_rank
+    layer = fused.setdefault(key, _FusedLinear(key, set()))
+    layer.in_features.add(in_features)
+    layer.in_rank = in_rank
+    layer.out_rank += out_rank
+    layer.row_parallel = row_parallel
+
+
+def _wna16_kernel(fmt: Wna16, layer: _FusedLinear, capability: tuple[int, int]) -> str:
+    """The kernel vLLM 0.19 runs ``layer`` on (the module docstring cites the rules), by the name its log prints."""
+    in_rank, out_rank, group = layer.in_rank, layer.out_rank, fmt.group_size
+    if capability < MIN_CAPABILITY[fmt.method]:
+        raise UserError(
+            f"{fmt.method.upper()} on sm{capability[0]}{capability[1]}: vLLM's Marlin kernels need sm"
+            f"{''.join(map(str, MIN_CAPABILITY[fmt.method]))} or newer; pick another --gpu."
+        )
+    whole_groups = group == -1 or in_rank % group == 0
+    marlin = in_rank % MARLIN_MIN_THREAD[0] == 0 and out_rank % MARLIN_MIN_THREAD[1] == 0 and whole_groups
+    if fmt.method == "awq" and not marlin:
+        return "AWQLinearMethod"  # check_marlin_supports_layer failed: the unoptimized AWQ kernel, as loaded
+    machete = (
+        capability == HOPPER
+        and group in MACHETE_GROUP_SIZES
+        and in_rank % MACHETE_BLOCK[0] == 0
+        and out_rank % MACHETE_BLOCK[1] == 0
+        and not (fmt.desc_act and layer.row_parallel)
+    )
+    if machete:
+        return "MacheteLinearKernel"
+    if fmt.method == "gptq" and (8, 0) <= capability < HOPPER and group == -1 and fmt.bits == 8:
+        raise UserError(
+            f"{layer.name}: vLLM runs 8-bit per-channel GPTQ on Ampere with AllSparkLinearKernel, which is not "
+            "modelled; pick another --gpu or a config.json without quantization_config."
+        )
+    if marlin:
+        return "MarlinLinearKernel"
+    raise UserError(
+        f"{layer.name} ({in_rank} inputs x {out_rank} outputs per rank, group {group}): neither Machete nor Marlin "
+        "fits it, and vLLM's other GPTQ kernels are not modelled. Lower --tensor-parallel-size."
+    )
+
+
+def _wna16_bytes(fmt: Wna16, kernel: str, layer: _FusedLinear, dtype_bytes: int) -> int:
+    """What ``layer`` keeps on one rank after ``process_weights_after_loading`` on ``kernel``."""
+    in_rank, out_rank = layer.in_rank, layer.out_rank
+    (in_features,) = layer.in_features
+    group = in_features if fmt.group_size == -1 else fmt.group_size
+    repeated = fmt.desc_act or (fmt.group_size == -1 and layer.row_parallel)  # marlin_repeat_scales_on_all_ranks
+    rows = (in_features if repeated else in_rank) // group
+    packed_zeros = rows * out_rank // fmt.pack * 4  # int32 words
+    total = in_rank * out_rank * fmt.bits // 8 + rows * out_rank * dtype_bytes  # the weight and the scales
+    if fmt.method == "awq":
+        return total + (rows * out_rank * dtype_bytes if kernel == "MacheteLinearKernel" else packed_zeros)
+    if kernel == "MacheteLinearKernel":  # the loaded qzeros and g_idx stay; act-order adds the permutation
+        return total + packed_zeros + in_rank * INDEX_BYTES * (2 if fmt.desc_act else 1)
+    return total + (2 * in_rank * INDEX_BYTES if fmt.desc_act else 0)  # Marlin: sorted g_idx and its indices
 
 
 def _mxfp4_experts_bytes(config, tp: int) -> int:

@@ -6,21 +6,24 @@ activation peak, the KV-cache memory and its size in tokens, case by case, with 
 The logs: llm-d-incubation/llm-d-planner committed full ``vllm serve`` pod logs of vLLM 0.19.0 on H100 80GB HBM3 at
 ``VLLM_LOGGING_LEVEL=DEBUG`` (PR #205, commit d3121e0 "Add logs", 2026-04-22; removed again in 2489dbb), which
 print, per worker, "Model loading took", "torch peak memory increase", "non-torch forward increase memory",
-"Available KV cache memory" and "GPU KV cache size". Each case runs with what its log's "non-default args" line
-passed (``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``; gpt-oss's left the
-utilization at 0.9) and vLLM 0.19's defaults
-on an H100 (``max_num_seqs`` 1024, ``max_num_batched_tokens`` 8192, as the log's engine config states), on the
-79.19 GiB the log's memory snapshot reports. The non-torch memory (NCCL, cuBLAS, custom all-reduce) is not
-predicted: as a user would, each case passes its log's figure to ``--non-torch-memory``. No other number is taken
-from the logs, and nothing is fitted to them.
+"Available KV cache memory" and "GPU KV cache size". Each case runs with what its log's "non-default args" line passed
+(``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``; gpt-oss's left the utilization at
+0.9; the GPTQ checkpoint's added ``--dtype float16``) and vLLM 0.19's defaults on an H100 (``max_num_seqs`` 1024,
+``max_num_batched_tokens`` 8192, as the log's engine config states), on the 79.19 GiB the log's memory snapshot reports.
+The non-torch memory (NCCL, cuBLAS, custom all-reduce) is not predicted: as a user would, each case passes its log's
+figure to ``--non-torch-memory``. No other number is taken from the logs, and nothing is fitted to them. A GPTQ or AWQ
+checkpoint whose config is not bundled is its bundled 16-bit sibling's config plus the ``quantization_config`` its model
+card states, cited beside the case.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 from dataclasses import dataclass
 
+import torch
 from tabulate import tabulate
 
 from analysis.vllm import VllmSetup, vllm_startup
@@ -48,6 +51,8 @@ class Logged:
     max_model_len: int
     kv_cache_dtype: str
     quantization: str | None  # --quantization: how the served checkpoint's weights are modelled
+    quantization_config: dict | None  # a GPTQ or AWQ checkpoint's, added to the bundled 16-bit config
+    dtype: torch.dtype | None  # --dtype, where the log's non-default args pass one
     utilization: float  # --gpu-memory-utilization
     non_torch: float  # "non-torch forward increase memory", the one figure given as input
     weights: float  # "Model loading took" / "weights memory"
@@ -59,8 +64,21 @@ class Logged:
 
 def _case(log: str, model: str, served: str, kind: str, tp: int = 1, max_model_len: int = 8192, **logged) -> Logged:
     kv_cache_dtype, quantization = logged.pop("kv_cache_dtype", "auto"), logged.pop("quantization", None)
+    checkpoint, dtype = logged.pop("quantization_config", None), logged.pop("dtype", None)
     utilization = logged.pop("utilization", UTILIZATION)
-    return Logged(log, model, served, tp, max_model_len, kv_cache_dtype, quantization, utilization, kind=kind, **logged)
+    return Logged(
+        log, model, served, tp, max_model_len, kv_cache_dtype, quantization, checkpoint, dtype, utilization,
+        kind=kind, **logged,
+    )  # fmt: skip
+
+
+# RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16, a GPTQ checkpoint (its log: "The model is convertible to
+# gptq_marlin", "Using MacheteLinearKernel for GPTQMarlinLinearMethod"): INT4 weights, "symmetric per-group
+# quantization ... per group of 128 parameters", the linear layers of the blocks only
+# (https://huggingface.co/RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16). Its desc_act is in no copy of its
+# config found here; on one Hopper GPU act-order would add only Machete's int32 permutation of each layer's inputs,
+# 3.25 MiB, under the log's 0.01 GiB: the case runs without it.
+W4A16_LLAMA = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 
 
 LLAMA_8B, QWEN_7B = "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"
@@ -91,6 +109,10 @@ CASES = [
     _case("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-3.3-70B-Instruct",
           "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic", "dense, FP8 weights", tp=4, quantization="fp8",
           non_torch=2.21, weights=16.96, activation=1.97, kv=54.09, tokens=708992),
+    _case("w4a16-redhatai-lla--h100-80gb--tp1pp1dp1--8192-dtf16.log", LLAMA_8B,
+          "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16", "dense, GPTQ 4-bit weights (Machete), fp16",
+          quantization_config=W4A16_LLAMA, dtype=torch.float16, non_torch=0.25, weights=5.38, activation=1.89,
+          kv=67.71, tokens=554704),
     # its "non-default args" leave --gpu-memory-utilization at vLLM's 0.9
     _case("openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log", "openai/gpt-oss-20b", "openai/gpt-oss-20b",
           "MoE, MXFP4 experts, sliding window (hybrid)", tp=2, utilization=0.9, non_torch=2.07, weights=7.01,
@@ -136,8 +158,12 @@ def estimate(case: Logged):
         kv_cache_dtype=case.kv_cache_dtype,
         non_torch_bytes=int(case.non_torch * GIB),
         quantization=case.quantization,
+        dtype=case.dtype,
     )
-    return vllm_startup(resolve_model(case.model).config, setup)
+    config = copy.deepcopy(resolve_model(case.model).config)
+    if case.quantization_config:
+        config.quantization_config = case.quantization_config
+    return vllm_startup(config, setup)
 
 
 def main() -> None:

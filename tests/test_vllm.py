@@ -4,6 +4,7 @@ rules analysis/vllm.py cites, and the command line's answers to bad input."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -85,6 +86,136 @@ def test_mxfp4_experts_of_gpt_oss():
     assert difference == config.num_hidden_layers * (bf16_experts - per_layer)
     with pytest.raises(UserError, match="already quantized"):
         vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB, quantization="fp8"))
+
+
+# A Llama whose projections every kernel's tiles fit: hidden 256 (4 heads of 64, 2 key/value heads), intermediate 512
+WNA16_SHAPE = dict(hidden_size=256, intermediate_size=512)
+HOPPER, AMPERE = (9, 0), (8, 0)
+
+
+def _wna16(quantization: dict, capability: tuple[int, int], tp: int = 1, **shape):
+    """The quantized checkpoint's weights and the same model's in fp16, on one rank."""
+    shape = shape or WNA16_SHAPE
+    setup = VllmSetup(gpu_memory_bytes=GIB, dtype=torch.float16, tensor_parallel_size=tp, compute_capability=capability)
+    quantized = tiny_model("llama", quantization_config=quantization, **shape).config
+    return vllm_startup(quantized, setup).weights, vllm_startup(tiny_model("llama", **shape).config, setup).weights
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+@pytest.mark.parametrize(
+    "quantization, capability, tp, per_layer, kernels",
+    [
+        # Machete keeps the packed weight (in x out / 2 bytes), the fp16 scales (in / 128 rows), the loaded qzeros
+        # (rows x out / 8 int32) and g_idx (int32 per input): qkv 256x512, o 256x256, gate_up 256x1024, down 512x256
+        (
+            GPTQ,
+            HOPPER,
+            1,
+            (65536 + 2048 + 512 + 1024) + (32768 + 1024 + 256 + 1024) + (131072 + 4096 + 1024 + 1024)
+            + (65536 + 2048 + 512 + 2048),
+            {"MacheteLinearKernel": 8},
+        ),
+        # Marlin on Ampere: the weight and the scales; zeros and g_idx become empty tensors
+        (
+            GPTQ,
+            AMPERE,
+            1,
+            (65536 + 2048) + (32768 + 1024) + (131072 + 4096) + (65536 + 2048),
+            {"MarlinLinearKernel": 8},
+        ),
+        # act-order at TP 2: qkv (256 in x 256 out per rank) and gate_up (256 x 512) on Machete with g_idx and perm;
+        # o (128 x 256) and down (256 x 256) split their input, which Machete refuses with act-order: Marlin, the
+        # scales' rows whole on every rank (256 / 128 and 512 / 128), g_idx sorted and its sort indices
+        (
+            GPTQ | {"desc_act": True},
+            HOPPER,
+            2,
+            (32768 + 1024 + 256 + 2 * 1024) + (16384 + 2 * 256 * 2 + 2 * 128 * 4) + (65536 + 2048 + 512 + 2 * 1024)
+            + (32768 + 4 * 256 * 2 + 2 * 256 * 4),
+            {"MacheteLinearKernel": 4, "MarlinLinearKernel": 4},
+        ),
+        # AWQ on Machete: the zero points as -scale x zero in fp16, as large as the scales
+        (
+            AWQ,
+            HOPPER,
+            1,
+            (65536 + 2 * 2048) + (32768 + 2 * 1024) + (131072 + 2 * 4096) + (65536 + 2 * 2048),
+            {"MacheteLinearKernel": 8},
+        ),
+        # AWQ on Marlin: the zero points packed eight to an int32, as loaded
+        (
+            AWQ,
+            AMPERE,
+            1,
+            (65536 + 2048 + 512) + (32768 + 1024 + 256) + (131072 + 4096 + 1024) + (65536 + 2048 + 512),
+            {"MarlinLinearKernel": 8},
+        ),
+    ],
+)  # fmt: skip
+def test_gptq_and_awq_layers_as_vllm_keeps_them(quantization, capability, tp, per_layer, kernels):
+    """GPTQ and AWQ linear layers per rank after vLLM 0.19's process_weights_after_loading, by hand from the rules
+    analysis/vllm_weights.py cites; embeddings, lm_head and norms stay in fp16."""
+    weights, fp16 = _wna16(quantization, capability, tp)
+    linear = (256 * 512 + 256 * 256 + 256 * 1024 + 512 * 256) // tp * 2  # fp16 bytes of q/k/v/o/gate/up/down
+    assert fp16.parameter_bytes - weights.parameter_bytes == 2 * (linear - per_layer)
+    assert weights.kernels == kernels
+
+
+def test_awq_layer_marlin_refuses_falls_back_to_the_awq_kernel():
+    """AWQ with groups of 64 at TP 2 and intermediate 640: down has 320 inputs per rank, not a multiple of Marlin's
+    128, so it runs on AWQLinearMethod with the checkpoint's tensors; the rest on Machete."""
+    weights, fp16 = _wna16(AWQ | {"group_size": 64}, HOPPER, 2, hidden_size=256, intermediate_size=640)
+    per_layer = (
+        (32768 + 2 * 4 * 256 * 2)  # qkv 256 x 256: weight, scales and fp16 zeros of 4 groups
+        + (16384 + 2 * 2 * 256 * 2)  # o 128 x 256
+        + (81920 + 2 * 4 * 640 * 2)  # gate_up 256 x 640
+        + (40960 + 5 * 256 * 2 + 5 * 256 // 2)  # down 320 x 256 as loaded: 5 groups of scales, packed qzeros
+    )
+    linear = (256 * 256 + 128 * 256 + 256 * 640 + 320 * 256) * 2
+    assert fp16.parameter_bytes - weights.parameter_bytes == 2 * (linear - per_layer)
+    assert weights.kernels == {"MacheteLinearKernel": 6, "AWQLinearMethod": 2}
+
+
+@pytest.mark.parametrize(
+    "quantization, setup, fragment",
+    [
+        (GPTQ | {"bits": 3}, {}, "GPTQ with bits=3"),
+        (GPTQ | {"sym": False}, {}, "ExLlama gptq kernels"),
+        (GPTQ | {"group_size": 256}, {}, "group_size 256"),
+        (GPTQ | {"lm_head": True}, {}, "quantized lm_head"),
+        (GPTQ | {"dynamic": {"-:.*mlp.*": {}}}, {}, "dynamic per-module overrides"),
+        (AWQ | {"version": "gemv"}, {}, "GEMM-packed"),
+        (AWQ | {"zero_point": False}, {}, "older awq kernels"),
+        (AWQ, {"compute_capability": (7, 5)}, "need sm80"),
+        (GPTQ, {"compute_capability": AMPERE, "tensor_parallel_size": 4}, "neither Machete nor Marlin"),
+        ({"quant_method": "bitsandbytes"}, {}, "published quantized (bitsandbytes)"),
+        (GPTQ, {"quantization": "fp8"}, "already quantized"),
+    ],
+)
+def test_quantized_checkpoints_not_modelled_are_refused(quantization, setup, fragment):
+    config = tiny_model("llama", quantization_config=quantization, **WNA16_SHAPE).config
+    with pytest.raises(UserError, match=re.escape(fragment)):
+        vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB, **setup))
+
+
+def test_quantized_moe_checkpoint_is_refused():
+    config = tiny_model("mixtral", quantization_config=GPTQ).config
+    with pytest.raises(UserError, match="MoE checkpoint"):
+        vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB))
+
+
+def test_serve_sizes_a_gptq_checkpoint_on_the_gpus_kernels(tmp_path, capsys):
+    path = _config_file(tmp_path, quantization_config=GPTQ, **WNA16_SHAPE)
+    code, out, _ = _run(capsys, "serve", str(path), "--gpu", "a100-80gb", "--max-model-len", "64")
+    assert code == 0 and "8 layers on MarlinLinearKernel" in out
+    code, out, _ = _run(capsys, "serve", str(path), "--gpu-memory", "1GiB", "--json")
+    assert code == 0 and json.loads(out)["weight_kernels"] == {"MacheteLinearKernel": 8}
+    bad = _config_file(tmp_path, quantization_config=AWQ | {"bits": 8}, **WNA16_SHAPE)
+    code, _, err = _run(capsys, "serve", str(bad), "--gpu-memory", "1GiB")
+    _assert_user_error(code, err, "AWQ with bits=8", "config.json without quantization_config")
 
 
 def test_fp8_kv_cache_halves_the_page_of_a_16_bit_model():
