@@ -27,8 +27,10 @@ keeps one from initialization.
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import accumulate
 
 from strategies.collectives import gradient_bytes, recorded, sharded_data_parallel, updated_parameters_gather
 from strategies.rewrite import Point, Rewrite, unit_windows
@@ -429,12 +431,15 @@ class _DeepSpeed:
         """Modules whose parameters are not released after forward: those used again before
         ``max_reuse_distance`` elements of other modules' parameters are fetched (``__params_to_release``)."""
         uses = sorted((windows[m][phase][0], m) for phase in (Phase.FORWARD, Phase.BACKWARD) for m in order[phase])
+        starts = [index for index, _ in uses]
+        fetched_before = list(accumulate((self._unit_numel(units[m]) for _, m in uses), initial=0))
         kept = set()
         for module in order[Phase.FORWARD]:
             if Phase.BACKWARD not in windows[module]:
                 continue
+            # the uses strictly between its forward's last op and its backward's first: none of them its own
             start, end = windows[module][Phase.FORWARD][1], windows[module][Phase.BACKWARD][0]
-            between = sum(self._unit_numel(units[m]) for index, m in uses if start < index < end and m != module)
+            between = fetched_before[bisect_left(starts, end)] - fetched_before[bisect_right(starts, start)]
             if between < self.config.stage3_max_reuse_distance:
                 kept.add(module)
         return kept
