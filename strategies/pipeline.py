@@ -269,6 +269,7 @@ class _RankStep:
         self.passes: dict[Pass, list[int]] = defaultdict(list)
         self.stage_ops: dict[int, set[int]] = defaultdict(set)
         self.optimizer: list[int] = []
+        runners: dict[str, list[int]] = {}  # per module: thousands of ops, a few hundred modules
         for number, ops in enumerate(micro_steps):
             for index in ops:
                 op = step.ops[index]
@@ -276,7 +277,9 @@ class _RankStep:
                     self.optimizer.append(index)
                     continue
                 kind = FORWARD if op.phase is Phase.FORWARD else BACKWARD
-                for stage in self._runners(op.module):
+                if op.module not in runners:
+                    runners[op.module] = self._runners(op.module)
+                for stage in runners[op.module]:
                     self.passes[(kind, number, stage)].append(index)
                     self.stage_ops[stage].add(index)
         self.optimizer_ops = set(self.optimizer)
@@ -324,13 +327,13 @@ class _RankStep:
         for action in actions:
             copies[template[action]].append(action)
         position: dict[tuple[Action, int], int] = {}  # (action, traced op) -> op index in the rank's step
-        ops: list[Op] = []
+        ops: list[Op] = []  # the traced ops the rank's step runs, in its order
         span: dict[Action, range] = {}
         for action in actions:
             start = len(ops)
             for index in self.passes[template[action]]:
                 position[(action, index)] = len(ops)
-                ops.append(replaced(step.ops[index], pipeline_pass=(action[1], action[2])))
+                ops.append(step.ops[index])
             span[action] = range(start, len(ops))
         optimizer_at = {index: len(ops) + n for n, index in enumerate(self.optimizer)}
         ops += [step.ops[index] for index in self.optimizer]
@@ -383,7 +386,8 @@ class _RankStep:
             outputs = tuple(s for s in map(mapped, op.outputs) if s is not None)
             for storage_id in inputs:
                 users[storage_id].append(index)
-            stage_ops.append(replaced(op, index=index, inputs=inputs, outputs=outputs))
+            run_in = None if action is None else (action[1], action[2])
+            stage_ops.append(replaced(op, index=index, inputs=inputs, outputs=outputs, pipeline_pass=run_in))
         rows = {i: replaced(row, users=tuple(users.get(i, ()))) for i, row in rows.items()}
         structure = ModelStructure(
             blocks=tuple(block for stage in plan.stages for block in self.blocks[stage]),
