@@ -33,8 +33,36 @@ layers in groups of the smaller kind's count, every group one block table, so "G
 concurrency is the blocks over what one request of ``max_model_len`` takes
 (``get_max_concurrency_for_kv_cache_config``).
 
-CUDA graphs are captured after the KV cache is allocated, from what ``gpu_memory_utilization`` leaves free;
-vLLM's log prints their size separately ("Graph capturing finished ..."), and they do not change the KV cache.
+CUDA graphs are captured after the KV cache is allocated (``Worker.compile_or_warm_up_model`` ->
+``GPUModelRunner.capture_model``), from what ``gpu_memory_utilization`` leaves free. vLLM 0.19 also measures them
+beforehand (``profile_cudagraph_memory``, "Estimated CUDA graph memory") but subtracts that from the KV cache only
+with ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1``, which defaults to 0 (vllm/envs.py): by default the KV cache is
+the same with or without graphs, and the process ends up holding ``requested`` plus the graphs.
+``capture_model`` logs "Graph capturing finished in N secs, took X GiB", the drop in ``torch.cuda.mem_get_info``'s
+free memory across the captures. :func:`cuda_graphs` follows what it captures by default:
+
+* the sizes (``VllmConfig._set_cudagraph_sizes``): 1, 2, 4, multiples of 8 below 256, multiples of 16 from 256, up
+  to ``min(2 x max_num_seqs, 512, max_num_batched_tokens)`` (gpt-oss raises the 512 to 1024,
+  ``GptOssForCausalLMConfig``), captured largest first;
+* the modes (``CompilationConfig.cudagraph_mode`` FULL_AND_PIECEWISE): for each size a PIECEWISE graph of a mixed
+  batch (torch.compile's pieces between the attention layers, one graph per piece) and a FULL graph of a uniform
+  decode batch (the whole forward, attention included); Llama 4's chunked local attention has no FULL graphs
+  (PIECEWISE only);
+* the memory pool every capture shares (``graph_capture``, ``CUDAGraphWrapper``'s ``graph_pool``): the largest
+  capture's intermediate activations, which the smaller captures reuse. A piece's output is kept only until the next
+  piece reads it and the last one is a weak reference, so the pool is one forward's transient working set of the
+  largest size, not one per graph: the decoder layer's tensors as in the profile run (:func:`profile_peak`'s
+  attention/MLP/MoE parts) at that many tokens. The FULL decode graphs add FlashAttention 3's split-KV accumulators
+  (``FlashAttentionMetadataBuilder``: ``max_num_splits = flash_attn_max_num_splits_for_cuda_graph`` = 32 under full
+  graphs, so FA3's ``mha_fwd`` allocates ``out_accum`` [32, heads, tokens, head_dim_v] and ``softmax_lse_accum``
+  [32, heads, tokens] in float32): on Hopper, with the FLASH_ATTN and FLASH_ATTN_MLA backends (MLA's value is the
+  latent, ``kv_lora_rank`` wide). Gemma 3's multimodal checkpoints run on TRITON_ATTN (its image-prefix attention)
+  and gpt-oss's attention sinks showed none in llm-d's log: no accumulators for them.
+
+Not modelled: the memory the CUDA driver keeps for each instantiated graph (kernel nodes, their parameters), which
+``mem_get_info`` counts and which grows with the number of graphs (sizes x pieces). vLLM's own profiler measures it
+(at least 1 MiB a graph, its floor) and no public source states it per graph, so the figure printed is the pool, a
+lower bound of the logged one; the graphs captured are counted beside it.
 """
 
 from __future__ import annotations
@@ -84,6 +112,20 @@ class KvLayout:
 
 
 @dataclass(frozen=True)
+class CudaGraphs:
+    """What ``capture_model`` captures by default and the memory pool the captures share."""
+
+    sizes: tuple[int, ...]  # cudagraph_capture_sizes, ascending (captured largest first)
+    modes: dict[str, int]  # mode -> graphs per size: PIECEWISE one per piece, FULL one
+    pool_bytes: int  # the largest capture's transient working set: the pool, a lower bound of "took X GiB"
+    pool_parts: dict[str, int]  # by mode: the decoder layer's peak at the largest size (+ FA3's accumulators)
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes) * sum(self.modes.values())
+
+
+@dataclass(frozen=True)
 class VllmStartup:
     setup: VllmSetup
     max_model_len: int
@@ -91,10 +133,17 @@ class VllmStartup:
     activation_peak_bytes: int
     activation_parts: dict[str, int] = field(default_factory=dict)
     layout: KvLayout | None = None
+    graphs: CudaGraphs | None = None
 
     @property
     def requested_bytes(self) -> int:
         return int(self.setup.gpu_memory_bytes * self.setup.gpu_memory_utilization)
+
+    @property
+    def process_bytes(self) -> int:
+        """What the process holds once the graphs are captured, at least: ``requested`` (weights, activation peak,
+        non-torch memory and the KV cache fill it) plus the graphs' pool, which vLLM 0.19 does not take out of it."""
+        return self.requested_bytes + (self.graphs.pool_bytes if self.graphs else 0)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -151,6 +200,7 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
+        cuda_graphs(config, setup, dtype.itemsize),
     )
 
 
@@ -208,8 +258,16 @@ def kv_layout(config, setup: VllmSetup, model_dtype_bytes: int, max_model_len: i
 def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
     """The allocator's peak above the weights during ``profile_run``, by where it falls: the forward's
     decoder layer (dense MLP or MoE) at ``max_num_batched_tokens``, and the sampler."""
-    tp = setup.tensor_parallel_size
     tokens = setup.max_num_batched_tokens
+    parts = _layer_peak(config, setup, dtype_bytes, tokens)
+    rows = min(setup.max_num_seqs, tokens)
+    parts["sampler"] = rows * config.vocab_size * (dtype_bytes + 4 + 4 + 8) + tokens * config.hidden_size * dtype_bytes
+    return parts
+
+
+def _layer_peak(config, setup: VllmSetup, dtype_bytes: int, tokens: int) -> dict[str, int]:
+    """A decoder layer's live tensors at its peak, one forward of ``tokens`` tokens: attention, dense MLP, MoE."""
+    tp = setup.tensor_parallel_size
     hidden = config.hidden_size
     heads = config.num_attention_heads
     head = getattr(config, "head_dim", None) or hidden // heads
@@ -236,10 +294,48 @@ def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
             + routed * (4 + 4)  # top-k weights (float32) and ids (int32)
             + routed * (max(2 * expert_intermediate, hidden) + expert_intermediate) * dtype_bytes
         )  # fused_experts: intermediate_cache1/3 share one buffer; intermediate_cache2
-    rows = min(setup.max_num_seqs, tokens)
-    vocab = config.vocab_size
-    parts["sampler"] = rows * vocab * (dtype_bytes + 4 + 4 + 8) + tokens * hidden * dtype_bytes
     return parts
+
+
+FA3_SPLITS = 32  # AttentionConfig.flash_attn_max_num_splits_for_cuda_graph, FA3's splits under FULL graphs
+
+
+def capture_sizes(config, setup: VllmSetup) -> tuple[int, ...]:
+    """``VllmConfig._set_cudagraph_sizes``' default ``cudagraph_capture_sizes``."""
+    largest = 1024 if config.model_type == "gpt_oss" else 512  # GptOssForCausalLMConfig raises vLLM's 512
+    largest = min(setup.max_num_seqs * 2, largest, setup.max_num_batched_tokens)
+    sizes = [size for size in (1, 2, 4) if size <= largest]
+    sizes += range(8, min(largest + 1, 256), 8)
+    sizes += range(256, largest + 1, 16)
+    return tuple(sorted(set(sizes)))
+
+
+def cuda_graphs(config, setup: VllmSetup, dtype_bytes: int) -> CudaGraphs:
+    """The graphs ``capture_model`` captures and their shared pool: the largest size's forward, as a PIECEWISE
+    mixed batch and (unless the model has no FULL graphs) a FULL uniform-decode batch with FA3's accumulators."""
+    sizes = capture_sizes(config, setup)
+    tokens = sizes[-1]
+    layer = max(_layer_peak(config, setup, dtype_bytes, tokens).values())
+    pieces = config.num_hidden_layers + 1  # torch.compile splits the forward at each attention layer
+    modes = {"PIECEWISE": pieces}
+    parts = {"PIECEWISE": layer}
+    if not getattr(config, "attention_chunk_size", None):  # ChunkedLocalAttention (Llama 4): PIECEWISE only
+        modes["FULL"] = 1
+        parts["FULL"] = layer + _fa3_accumulators(config, setup, tokens)
+    return CudaGraphs(sizes, modes, max(parts.values()), parts)
+
+
+def _fa3_accumulators(config, setup: VllmSetup, tokens: int) -> int:
+    """FA3's ``out_accum`` and ``softmax_lse_accum`` (float32) of one attention call of a FULL decode graph, or 0
+    where vLLM runs another kernel (before Hopper, Gemma 3's TRITON_ATTN) or none is allocated (gpt-oss's sinks)."""
+    if setup.compute_capability[0] != 9 or config.model_type in ("gemma3", "gpt_oss"):
+        return 0
+    heads = max(1, config.num_attention_heads // setup.tensor_parallel_size)
+    if getattr(config, "kv_lora_rank", None):
+        head_v = config.kv_lora_rank  # FLASH_ATTN_MLA attends over the latent
+    else:
+        head_v = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return FA3_SPLITS * heads * tokens * (head_v + 1) * 4
 
 
 def _experts(config) -> int | None:
@@ -269,6 +365,13 @@ def startup_json(startup: VllmStartup) -> dict:
         "kv_cache_tokens": startup.kv_cache_tokens,
         "max_model_len": startup.max_model_len,
         "max_concurrency": startup.max_concurrency,
+        "cuda_graph_capture_sizes": list(startup.graphs.sizes),
+        "cuda_graph_modes": startup.graphs.modes,
+        "cuda_graphs": startup.graphs.count,
+        "cuda_graph_pool_bytes": startup.graphs.pool_bytes,
+        "cuda_graph_pool_by_mode": startup.graphs.pool_parts,
+        "cuda_graph_bytes_predicted": "at least",  # the pool; the driver's memory per graph is not predicted
+        "process_bytes_at_least": startup.process_bytes,
     }
 
 
@@ -300,6 +403,18 @@ def render_startup(model, startup: VllmStartup) -> str:
         f"  GPU KV cache size: {startup.kv_cache_tokens:,} tokens",
         f"  Maximum concurrency for {startup.max_model_len:,} tokens per request: {startup.max_concurrency:.2f}x",
     ]
+    graphs = startup.graphs
+    modes = " and ".join(f"{mode} ({per} graph{'s' if per > 1 else ''} each)" for mode, per in graphs.modes.items())
+    pool = ", ".join(f"{mode} {gib(b)}" for mode, b in graphs.pool_parts.items())
+    lines += [
+        f"  Graph capturing (after the KV cache is allocated) takes at least {gib(graphs.pool_bytes)}: the shared pool "
+        f"of the largest capture, {graphs.sizes[-1]} tokens ({pool}); {len(graphs.sizes)} sizes x {modes} = "
+        f"{graphs.count:,} graphs, whose CUDA driver memory is not predicted",
+        f"  vLLM 0.19 does not take the graphs out of the KV cache (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0): the "
+        f"process holds at least {gib(startup.process_bytes)}, "
+        f"{startup.process_bytes / setup.gpu_memory_bytes:.1%} of total_gpu_memory, above gpu_memory_utilization by "
+        "the graphs",
+    ]
     if startup.kv_cache_bytes <= 0:
         lines.append(
             "  No memory is left for the KV cache: vLLM stops with 'No available memory for the cache blocks'. "
@@ -309,5 +424,10 @@ def render_startup(model, startup: VllmStartup) -> str:
         lines.append(
             f"  One request of --max-model-len {startup.max_model_len} does not fit: vLLM refuses to start "
             "(check_enough_kv_cache_memory). Lower --max-model-len or add memory."
+        )
+    elif startup.process_bytes > setup.gpu_memory_bytes:
+        lines.append(
+            "  The graphs' pool does not fit in what gpu_memory_utilization leaves: capture runs out of memory. "
+            "Lower --gpu-memory-utilization or --max-num-seqs."
         )
     return "\n".join(lines)

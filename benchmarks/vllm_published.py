@@ -6,10 +6,12 @@ activation peak, the KV-cache memory and its size in tokens, case by case, with 
 The logs: llm-d-incubation/llm-d-planner committed full ``vllm serve`` pod logs of vLLM 0.19.0 on H100 80GB HBM3 at
 ``VLLM_LOGGING_LEVEL=DEBUG`` (PR #205, commit d3121e0 "Add logs", 2026-04-22; removed again in 2489dbb), which
 print, per worker, "Model loading took", "torch peak memory increase", "non-torch forward increase memory",
-"Available KV cache memory" and "GPU KV cache size". Each case runs with what its log's "non-default args" line passed
-(``--gpu-memory-utilization 0.95 --max-model-len ... --no-enable-prefix-caching``; gpt-oss's left the utilization at
-0.9; the GPTQ checkpoint's added ``--dtype float16``) and vLLM 0.19's defaults on an H100 (``max_num_seqs`` 1024,
-``max_num_batched_tokens`` 8192, as the log's engine config states), on the 79.19 GiB the log's memory snapshot reports.
+"Available KV cache memory" and "GPU KV cache size", and, after the KV cache, "Graph capturing finished in N secs,
+took X GiB" (the CUDA graphs, compared with the estimated pool they share, a lower bound). Each case runs with what
+its log's "non-default args" line passed (``--gpu-memory-utilization 0.95 --max-model-len ...
+--no-enable-prefix-caching``; gpt-oss's left the utilization at 0.9; the GPTQ checkpoint's added ``--dtype
+float16``) and vLLM 0.19's defaults on an H100 (``max_num_seqs`` 1024, ``max_num_batched_tokens`` 8192, as the log's
+engine config states), on the 79.19 GiB the log's memory snapshot reports.
 The non-torch memory (NCCL, cuBLAS, custom all-reduce) is not predicted: as a user would, each case passes its log's
 figure to ``--non-torch-memory``. No other number is taken from the logs, and nothing is fitted to them. A GPTQ or AWQ
 checkpoint whose config is not bundled is its bundled 16-bit sibling's config plus the ``quantization_config`` its model
@@ -59,6 +61,7 @@ class Logged:
     activation: float  # "torch peak memory increase"
     kv: float  # "Available KV cache memory"
     tokens: int  # "GPU KV cache size: N tokens"
+    graphs: float  # "Graph capturing finished in N secs, took X GiB" (capture_model, after the KV cache)
     kind: str
 
 
@@ -84,61 +87,63 @@ W4A16_LLAMA = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True
 LLAMA_8B, QWEN_7B = "meta-llama/Llama-3.1-8B", "Qwen/Qwen2.5-7B"
 CASES = [
     _case("meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
-          "dense", non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016),
+          "dense", non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016, graphs=0.91),
     _case("meta-llama-llama-3-1-8b--h100-80gb--tp1pp1dp1--32768.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
-          "dense", max_model_len=32768, non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016),
+          "dense", max_model_len=32768, non_torch=0.25, weights=14.99, activation=1.89, kv=58.11, tokens=476016,
+          graphs=0.91),
     _case("meta-llama-llama-3-1-8b---h100-80gb--tp2pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
-          "dense", tp=2, non_torch=2.07, weights=7.51, activation=1.89, kv=63.76, tokens=1044688),
+          "dense", tp=2, non_torch=2.07, weights=7.51, activation=1.89, kv=63.76, tokens=1044688, graphs=0.76),
     _case("meta-llama-llama-3-1-8b---h100-80gb--tp4pp1dp1--8192.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
-          "dense", tp=4, non_torch=2.13, weights=3.77, activation=1.89, kv=67.44, tokens=2209792),
+          "dense", tp=4, non_torch=2.13, weights=3.77, activation=1.89, kv=67.44, tokens=2209792, graphs=0.67),
     _case("meta-llama---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log", LLAMA_8B, "meta-llama/Llama-3.1-8B-Instruct",
           "dense, fp8 KV cache", kv_cache_dtype="fp8", non_torch=0.25, weights=14.99, activation=1.89, kv=58.11,
-          tokens=952032),
+          tokens=952032, graphs=0.91),
     _case("qwen-qwen2-5-7b-instruct--h100-80gb--tp1pp1dp1--8192.log", QWEN_7B, "Qwen/Qwen2.5-7B-Instruct",
-          "dense", non_torch=0.24, weights=14.25, activation=2.21, kv=58.53, tokens=1096000),
+          "dense", non_torch=0.24, weights=14.25, activation=2.21, kv=58.53, tokens=1096000, graphs=0.87),
     _case("qwen-qwen2---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log", QWEN_7B, "Qwen/Qwen2.5-7B-Instruct",
           "dense, fp8 KV cache", kv_cache_dtype="fp8", non_torch=0.24, weights=14.25, activation=2.21, kv=58.53,
-          tokens=2192000),
+          tokens=2192000, graphs=0.86),
     _case("qwen-qwen3-8b--h100-80gb--tp1pp1dp1--8192.log", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B",
-          "dense", non_torch=0.25, weights=15.27, activation=2.21, kv=57.5, tokens=418688),
+          "dense", non_torch=0.25, weights=15.27, activation=2.21, kv=57.5, tokens=418688, graphs=0.96),
     _case("qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192.log", "Qwen/Qwen2.5-72B", "Qwen/Qwen2.5-72B-Instruct",
-          "dense", tp=2, non_torch=2.09, weights=67.8, activation=2.29, kv=3.04, tokens=19920),
+          "dense", tp=2, non_torch=2.09, weights=67.8, activation=2.29, kv=3.04, tokens=19920, graphs=1.61),
     # RedHatAI's checkpoint holds the bf16 model's linear layers in FP8 with a float32 scale per output channel
     # (compressed-tensors, CompressedTensorsW8A8Fp8 in the log); --quantization fp8 gives the same FP8 weights
     # with a scale per layer: 10 MB apart at TP 4
     _case("fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-3.3-70B-Instruct",
           "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic", "dense, FP8 weights", tp=4, quantization="fp8",
-          non_torch=2.21, weights=16.96, activation=1.97, kv=54.09, tokens=708992),
+          non_torch=2.21, weights=16.96, activation=1.97, kv=54.09, tokens=708992, graphs=1.66),
     _case("w4a16-redhatai-lla--h100-80gb--tp1pp1dp1--8192-dtf16.log", LLAMA_8B,
           "RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w4a16", "dense, GPTQ 4-bit weights (Machete), fp16",
           quantization_config=W4A16_LLAMA, dtype=torch.float16, non_torch=0.25, weights=5.38, activation=1.89,
-          kv=67.71, tokens=554704),
+          kv=67.71, tokens=554704, graphs=0.96),
     # its "non-default args" leave --gpu-memory-utilization at vLLM's 0.9
     _case("openai-gpt-oss-20b--h100-80gb--tp2pp1dp1--8192.log", "openai/gpt-oss-20b", "openai/gpt-oss-20b",
           "MoE, MXFP4 experts, sliding window (hybrid)", tp=2, utilization=0.9, non_torch=2.07, weights=7.01,
-          activation=2.87, kv=59.32, tokens=2591776),
+          activation=2.87, kv=59.32, tokens=2591776, graphs=1.55),
     _case("mistralai-mixtral-8x7b-i--h100-80gb--tp2pp1dp1--8192.log", "mistralai/Mixtral-8x7B-v0.1",
           "mistralai/Mixtral-8x7B-Instruct-v0.1", "MoE", tp=2, non_torch=2.07, weights=43.51, activation=1.21,
-          kv=28.44, tokens=465936),
+          kv=28.44, tokens=465936, graphs=0.93),
     _case("qwen-qwen3-30b-a3b--h100-80gb--tp1pp1dp1--8192.log", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-30B-A3B",
-          "MoE", non_torch=0.27, weights=56.88, activation=2.68, kv=15.41, tokens=168288),
+          "MoE", non_torch=0.27, weights=56.88, activation=2.68, kv=15.41, tokens=168288, graphs=1.41),
     _case("google-gemma-2-9b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-2-9b", "google/gemma-2-9b-it",
-          "sliding window (hybrid)", non_torch=0.25, weights=17.22, activation=3.65, kv=54.12, tokens=168880),
+          "sliding window (hybrid)", non_torch=0.25, weights=17.22, activation=3.65, kv=54.12, tokens=168880,
+          graphs=1.09),
     _case("mistralai-mistral-small---h100-80gb--tp1pp1dp1--8192.log", "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
           "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "dense, multimodal (its language model; vision tower not "
-          "counted)", non_torch=0.25, weights=44.76, activation=2.03, kv=28.19, tokens=184752),
+          "counted)", non_torch=0.25, weights=44.76, activation=2.03, kv=28.19, tokens=184752, graphs=1.06),
     _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
           "meta-llama/Llama-4-Scout-17B-16E-Instruct", "MoE, chunked local attention (hybrid)", tp=4, non_torch=2.17,
-          weights=53.12, activation=3.19, kv=16.75, tokens=365968),
+          weights=53.12, activation=3.19, kv=16.75, tokens=365968, graphs=1.13),
     _case("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log", "deepseek-ai/DeepSeek-V2-Lite",
           "deepseek-ai/DeepSeek-V2-Lite-Chat", "MoE, MLA (compressed latent cached)", non_torch=0.26, weights=29.43,
-          activation=1.93, kv=43.61, tokens=1505552),
+          activation=1.93, kv=43.61, tokens=1505552, graphs=1.57),
     _case("google-gemma-3-4b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-4b-it", "google/gemma-3-4b-it",
           "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.25,
-          weights=8.58, activation=3.89, kv=62.51, tokens=468144),
+          weights=8.58, activation=3.89, kv=62.51, tokens=468144, graphs=0.67),
     _case("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-27b-it", "google/gemma-3-27b-it",
           "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.26,
-          weights=51.45, activation=3.99, kv=19.53, tokens=36560),
+          weights=51.45, activation=3.99, kv=19.53, tokens=36560, graphs=1.14),
 ]  # fmt: skip
 NOT_REPRODUCED = [
     ("meta-llama-llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log", "pipeline parallelism is not modelled by serve"),
@@ -170,11 +175,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a GitHub markdown table")
     args = parser.parse_args()
-    rows, errors = [], []
+    rows, errors, graph_errors = [], [], []
     for case in CASES:
         startup = estimate(case)
         error = (startup.kv_cache_tokens - case.tokens) / case.tokens
         errors.append(abs(error))
+        pool = startup.graphs.pool_bytes / GIB
+        graph_errors.append((pool - case.graphs) / case.graphs)
         rows.append(
             (
                 case.served,
@@ -186,9 +193,15 @@ def main() -> None:
                 f"{case.kv:.2f} / {startup.kv_cache_bytes / GIB:.2f}",
                 f"{case.tokens:,} / {startup.kv_cache_tokens:,}",
                 f"{100 * error:+.2f}%",
+                f"{case.graphs:.2f} / {pool:.2f}",
+                f"{100 * graph_errors[-1]:+.0f}%",
+                f"{startup.graphs.count:,}",
             )
         )
-    headers = ["served", "kind", "TP", "max len", "weights GiB", "activation GiB", "KV GiB", "KV tokens", "error"]
+    headers = [
+        "served", "kind", "TP", "max len", "weights GiB", "activation GiB", "KV GiB", "KV tokens", "error",
+        "graphs GiB (pool)", "pool error", "graphs",
+    ]  # fmt: skip
     print(
         "logged / estimated; vLLM 0.19.0, H100 80GB HBM3, --gpu-memory-utilization 0.95 but 0.9 for gpt-oss (logs: "
         + LOGS
@@ -198,6 +211,11 @@ def main() -> None:
     print(
         f"\n{len(rows)} cases: KV tokens median |error| {100 * statistics.median(errors):.2f}%, "
         f"max {100 * max(errors):.2f}%, {sum(e <= 0.05 for e in errors)} within 5%"
+    )
+    print(
+        "CUDA graphs: 'took X GiB' against the estimated pool (the largest capture's working set, a lower bound: the "
+        f"driver's memory per graph is not predicted): median {100 * statistics.median(graph_errors):+.0f}%, from "
+        f"{100 * min(graph_errors):+.0f}% to {100 * max(graph_errors):+.0f}%"
     )
     print("\nNot reproduced:")
     for log, why in NOT_REPRODUCED:

@@ -249,3 +249,36 @@ def test_serve_prints_the_start_up_log(tmp_path, capsys):
 def test_serve_refuses_bad_input(tmp_path, capsys, flags, fragment):
     code, _, err = _run(capsys, "serve", str(_config_file(tmp_path)), "--gpu-memory", "1GiB", *flags)
     _assert_user_error(code, err, fragment)
+
+
+def test_cuda_graphs_pool_is_the_largest_captures_working_set():
+    """vLLM 0.19's default capture sizes (1, 2, 4, multiples of 8 then 16 up to min(2 x max_num_seqs, 512,
+    max_num_batched_tokens)), a PIECEWISE graph per piece (layers + 1) and a FULL graph per size, and the shared pool:
+    the decoder layer's peak at the largest size, plus FA3's 32 split-KV accumulators in float32 in the FULL graph on
+    Hopper. The KV cache does not change with the graphs; the process holds the utilization plus the pool."""
+    config, startup = _startup("llama", max_num_seqs=256, max_num_batched_tokens=8192)
+    graphs = startup.graphs
+    assert graphs.sizes == (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+    assert graphs.modes == {"PIECEWISE": config.num_hidden_layers + 1, "FULL": 1}
+    hidden, heads, kv, inter = config.hidden_size, 4, 2, config.intermediate_size
+    head = hidden // heads
+    attention = (2 * 512 * hidden + 512 * (heads * head * 2 + 2 * kv * head)) * 2
+    mlp = (2 * 512 * hidden + 512 * 3 * inter) * 2
+    assert graphs.pool_parts["PIECEWISE"] == max(attention, mlp)
+    assert graphs.pool_parts["FULL"] == max(attention, mlp) + 32 * heads * 512 * (head + 1) * 4
+    assert graphs.pool_bytes == graphs.pool_parts["FULL"]
+    assert startup.process_bytes == startup.requested_bytes + graphs.pool_bytes
+    _, small = _startup("llama", max_num_seqs=2, max_num_batched_tokens=8192)
+    assert small.graphs.sizes == (1, 2, 4)
+    _, ampere = _startup("llama", compute_capability=(8, 0))
+    assert ampere.graphs.pool_bytes == ampere.graphs.pool_parts["PIECEWISE"]  # no FA3 before Hopper
+    assert ampere.kv_cache_bytes == startup.kv_cache_bytes
+
+
+def test_serve_reports_the_graphs(tmp_path, capsys):
+    code, out, _ = _run(capsys, "serve", str(_config_file(tmp_path)), "--gpu-memory", "1GiB", "--max-model-len", "64")
+    assert code == 0 and "Graph capturing (after the KV cache is allocated) takes at least" in out
+    assert "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0" in out
+    code, out, _ = _run(capsys, "serve", str(_config_file(tmp_path)), "--gpu-memory", "1GiB", "--json")
+    report = json.loads(out)
+    assert report["process_bytes_at_least"] == report["requested_bytes"] + report["cuda_graph_pool_bytes"]
