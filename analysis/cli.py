@@ -19,6 +19,7 @@ from tracer.errors import UserError
 from tracer.training import Target, TrainingSetup
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by Ctrl-C
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +33,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

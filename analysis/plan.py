@@ -15,6 +15,7 @@ import gc
 import multiprocessing
 import pickle
 import queue
+import signal
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -449,7 +450,9 @@ _FORKED_WORK: Callable[[int], object] | None = None  # what forked workers run
 
 
 def _run_forked(tasks, results) -> None:
-    """A worker: each group of indices it takes, one result at a time, a failure in place of a result."""
+    """A worker: each group of indices it takes, one result at a time, a failure in place of a result. Ctrl-C is
+    the parent's to handle: it stops the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     while (group := tasks.get()) is not None:
         for index in group:
             try:

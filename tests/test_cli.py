@@ -8,7 +8,8 @@ import pytest
 import torch
 from tiny_models import TINY_CONFIGS, tiny_model
 
-from analysis.cli import EXIT_USER_ERROR, main
+from analysis import cli
+from analysis.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -47,6 +48,15 @@ def test_analyze_json_has_the_stable_keys(tmp_path, capsys):
         "step",
     ):
         assert key in setup
+
+
+def test_ctrl_c_ends_with_one_line_and_the_shell_code(monkeypatch, capsys):
+    def interrupted(args) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.RUNNERS, "gpus", interrupted)
+    assert main(["gpus"]) == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "interrupted\n"
 
 
 def test_analyze_text_report(tmp_path, capsys):
