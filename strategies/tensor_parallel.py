@@ -16,7 +16,9 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
 * ``rowwise_split_input`` (``RowwiseParallel(input_layouts=Replicate())``): ``rowwise`` whose input arrives
   whole: each rank copies out its slice of the input features (DTensor's ``Replicate -> Shard(-1)``) for its
   matmul. With ``colwise_gather_output`` before it (Phi-3's fused projections), every rank runs the attention
-  and MLP on all heads and features, and caches every key/value head; only the weights are split. Inference only.
+  and MLP on all heads and features, and caches every key/value head; only the weights are split. In training the
+  slice is what the matmul saves for backward (the whole input is freed once nothing outside the module reads it),
+  and the input's gradient, a slice, is all-gathered back to the whole input's (``Shard(-1) -> Replicate``).
 * ``moe_tp_experts`` on a MoE layer's experts (transformers' ``MoeExpertsParallel``), with ``packed_colwise`` on
   their ``gate_up_proj`` (``PackedColwiseParallel``: the gate and up halves each split along the intermediate
   dimension) and ``rowwise`` on their ``down_proj`` (split along it too): every rank runs every expert on its
@@ -53,7 +55,6 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
-from strategies.pipeline import RECEIVE_BUFFER
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
@@ -73,11 +74,13 @@ COLWISE_GATHER_OUTPUT = "colwise_gather_output"
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
 MOE_TP_EXPERTS = "moe_tp_experts"
-STYLES = (COLWISE, ROWWISE, EMBEDDING_ROWWISE, COLWISE_GATHER_OUTPUT)
 # The styles of a MoE layer's experts: the module's, and its packed expert weights' (3-D parameters named in the plan).
 MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE)
-# Decoder-layer styles that gather a layer's output or take its input whole (Phi-3, OLMoE): modelled at inference.
+# Decoder-layer styles that gather a layer's output or take its input whole (Phi-3, OLMoE, Qwen3-Next's linear
+# attention).
 WHOLE_ACTIVATION_STYLES = (COLWISE_GATHER_OUTPUT, ROWWISE_SPLIT_INPUT)
+# The decoder layers' styles modelled, in training and at inference.
+DECODER_STYLES = (COLWISE, ROWWISE, *MOE_STYLES, *WHOLE_ACTIVATION_STYLES)
 # transformers' style for a parameter every rank holds whole (Qwen3's and Gemma 3's q/k norms, which see the rank's
 # heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
@@ -171,19 +174,12 @@ class TensorParallel:
                 raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
-        modelled = (*decoder_styles(inference=True), EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
+        modelled = (*DECODER_STYLES, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
         unsupported = sorted({style for style in plan.values() if style not in modelled})
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
                 "(only colwise, rowwise, their gathered variants and MoE experts' layers are); use --tp 1."
-            )
-        training = (*decoder_styles(inference=False), EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
-        inference_only = sorted({style for style in plan.values() if style not in training})
-        if not self.inference and inference_only:
-            raise UserError(
-                f"--tp: {name}'s plan uses {', '.join(inference_only)}, which is modelled for --mode inference "
-                "(transformers' runtime), not for training yet; use --tp 1."
             )
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
@@ -194,6 +190,12 @@ class TensorParallel:
         return [0, self.degree - 1] if uneven else [0]
 
     def apply(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        if self.inference:
+            return recorded(self.slice(step, setup, rank), inference_all_reduce(step))
+        return recorded(self.slice(step, setup, rank), activation_all_reduce(step, hidden_state_bytes(step)))
+
+    def slice(self, step: StepGraph, setup: TrainingSetup, rank: int) -> StepGraph:
+        """The rank's slice of every op and storage, without the all-reduces' record (:meth:`apply` adds it)."""
         sequence = setup.seq_len if self.sequence_parallel else None
         plan = megatron_plan(
             step.structure,
@@ -202,18 +204,15 @@ class TensorParallel:
             self.gathered_output,
             sequence,
             whole_experts=self.expert_parallel,
-            inference=self.inference,
         )
         if self.inference:
             plan = dataclasses.replace(plan, reduce_in_place=True)
-            return recorded(tensor_parallel(step, plan), inference_all_reduce(step))
-        return recorded(tensor_parallel(step, plan), activation_all_reduce(step))
+        return tensor_parallel(step, plan)
 
-
-def decoder_styles(inference: bool) -> tuple[str, ...]:
-    """The decoder layers' styles modelled: column- and row-wise ones and MoE experts' everywhere; gathered ones as
-    transformers runs them at inference."""
-    return (COLWISE, ROWWISE, *MOE_STYLES, *(WHOLE_ACTIVATION_STYLES if inference else ()))
+    def staged(self, stage: StepGraph, traced: StepGraph) -> StepGraph:
+        """A pipeline stage cut from a :meth:`slice` of the traced step, with the all-reduces of its layers, each of
+        one microbatch's hidden state (the traced step's)."""
+        return recorded(stage, activation_all_reduce(stage, hidden_state_bytes(traced)))
 
 
 def expert_rules(styles: Mapping[str, str]) -> dict[str, str]:
@@ -227,22 +226,24 @@ def splits_key_heads(styles: Mapping[str, str]) -> bool:
     return any(pattern.rpartition(".")[2] in _KEY_PROJECTIONS and style == COLWISE for pattern, style in styles.items())
 
 
-def activation_all_reduce(step: StepGraph) -> Collective:
+def hidden_state_bytes(step: StepGraph) -> int:
+    """The hidden state of one (micro)batch: what the embedding makes in forward (in backward it makes its weight's
+    gradient)."""
+    embedding = step.structure.input_embedding
+    states = (
+        row.nbytes
+        for row in step.storages.values()
+        if row.producer is not None and row.module == embedding and step.ops[row.producer].phase is Phase.FORWARD
+    )
+    return max(states, default=0) if embedding else 0
+
+
+def activation_all_reduce(step: StepGraph, hidden_state: int) -> Collective:
     """Megatron's pattern, on the compute stream: each layer all-reduces its attention and MLP outputs in forward
     and their input gradients in backward (again in forward when recomputed), plus the embedding's output and
     the lm_head's input gradient; one hidden-state tensor each (sequence parallelism's all-gather and
     reduce-scatter pair moves the same bytes)."""
     recomputed = any(op.recompute for op in step.ops)
-    embedding = step.structure.input_embedding
-    if embedding:  # what the embedding makes in forward: its output (in backward, its weight's gradient)
-        states = (
-            row.nbytes
-            for row in step.storages.values()
-            if row.producer is not None and row.module == embedding and step.ops[row.producer].phase is Phase.FORWARD
-        )
-    else:  # a later pipeline stage: the hidden state it receives
-        states = (row.nbytes for row in step.storages.values() if row.name.startswith(RECEIVE_BUFFER))
-    hidden_state = max(states, default=0)
     count = (6 if recomputed else 4) * len(step.structure.blocks) + 2
     return Collective(
         ALL_REDUCE, TENSOR_PARALLEL, count * hidden_state, Phase.FORWARD, True, False, "layer outputs and gradients"
@@ -281,7 +282,6 @@ def megatron_plan(
     gathered_output: bool,
     sequence_length: int | None = None,
     whole_experts: bool = False,
-    inference: bool = False,
 ) -> TpPlan:
     """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
     embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With a
@@ -304,18 +304,19 @@ def megatron_plan(
             "transformers defines one for Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma 3 and GPT-NeoX/Pythia; a "
             "custom model gives one as CustomModel(tp_plan=...). Otherwise use --tp 1."
         )
-    if sequence_length and expert_rules(styles):
+    whole = sorted({style for style in styles.values() if style in (MOE_TP_EXPERTS, *WHOLE_ACTIVATION_STYLES)})
+    if sequence_length and whole:
         raise UserError(
-            f"--sequence-parallel with {structure.model_class}'s MoE experts is not modelled: transformers' "
-            "MoeExpertsParallel takes the whole sequence and all-reduces its output, which torchtitan's sequence-"
-            "parallel layout does not compose with. Drop --sequence-parallel."
+            f"--sequence-parallel with {structure.model_class}'s {', '.join(whole)} is not modelled: transformers' "
+            "styles run them on the whole sequence (MoeExpertsParallel all-reduces its output, the gathered "
+            "projections replicate theirs), which torchtitan's sequence-parallel layout does not compose with. "
+            "Drop --sequence-parallel."
         )
-    modelled = decoder_styles(inference)
     for pattern, style in styles.items():
-        if style not in modelled:
+        if style not in DECODER_STYLES:
             raise UserError(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
-                f"not modelled{'' if inference else ' in training'} (only {', '.join(modelled)} are); use --tp 1."
+                f"not modelled (only {', '.join(DECODER_STYLES)} are); use --tp 1."
             )
     if structure.input_embedding:
         styles[structure.input_embedding] = EMBEDDING_ROWWISE
@@ -386,6 +387,7 @@ class _TensorParallel:
         self.pending: dict[int, tuple[str, Op]] = {}  # partial sums -> module they stay partial in, its last op
         self.gathered: dict[int, str] = {}  # gathered sequence slices -> the module that reads them whole
         self.gathered_by: dict[str, str] = {}  # module of a layer reading a gathered input -> who gathered it
+        self.split_inputs: dict[int, tuple[str, _Share]] = {}  # whole inputs -> the module whose backward reads a slice
         layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
         self.forward_gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
         self.forward_gatherers += [plan.output_embedding] if plan.output_embedding else []
@@ -479,6 +481,8 @@ class _TensorParallel:
         style = self._style(op.module)
         if not op.runs_forward and style == COLWISE_GATHER_OUTPUT:
             self.split_incoming_gradients(op)
+        elif op.runs_forward and style == ROWWISE_SPLIT_INPUT:
+            self.split_inputs_entering(op)
         storages = self.step.storages
         made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
         if not made:
@@ -487,14 +491,13 @@ class _TensorParallel:
         parameters = [share for share in inputs if share.parameter]
         weights = [share for share in parameters if share.matrix]
         activations = [share for share in inputs if not share.parameter]
+        gather = False
         if op.target in _MATMULS and weights:
             weight = weights[0]
             self.module_weight.setdefault(op.module, weight)
-            if style == ROWWISE_SPLIT_INPUT and not any(share.sliced for share in activations):
-                self.split_input(op, weight)
-                out = _Share(partial=True)
-            else:
-                out = _Share(partial=True) if any(share.sliced for share in activations) else weight.slice()
+            out = _Share(partial=True) if any(share.sliced for share in activations) else weight.slice()
+            # colwise_gather_output's output; in backward, rowwise_split_input's input gradient (Shard(-1) -> Replicate)
+            gather = out.sliced and style == (COLWISE_GATHER_OUTPUT if op.runs_forward else ROWWISE_SPLIT_INPUT)
         elif op.target == _EMBEDDING and weights:
             out = _Share(partial=True)
         elif op.target == _EMBEDDING_BACKWARD:  # DTensor has no vocabulary-sharded strategy for it
@@ -514,25 +517,48 @@ class _TensorParallel:
         for storage_id in made:
             if out.partial:
                 self.pending[storage_id] = (self.partial_scope(op), op)
-            elif style == COLWISE_GATHER_OUTPUT and op.runs_forward and op.target in _MATMULS:
+            elif gather:
                 self.all_gather(op, storage_id)
 
-    def split_input(self, op, weight: _Share) -> None:
-        """``rowwise_split_input``: the rank's slice of the whole input, copied out before the matmul and held
-        until the module returns."""
-        row = max(
-            (self.step.storages[s] for s in op.inputs if not self.share.get(s, _REPLICATED).parameter),
-            key=lambda row: row.nbytes,
-        )
-        point = self.rw.before(op.index, "tp.split_input", op.module, op.phase)
-        end = Point(self._run_end(op.index, op.module), 0)
-        self.rw.add(self._bytes(row, weight.slice()), Role.TEMPORARY, point, end, "input slice", row.dtype)
+    def split_inputs_entering(self, op) -> None:
+        """``rowwise_split_input``: the rank's slice of the whole input, copied out as it enters the module
+        (DTensor's ``Replicate -> Shard(-1)`` in the input hook), which the module reads instead from then on, in
+        its forward (a recomputed one too) and its backward. The slice is held until the module returns; in
+        training, until the backward node that saved it releases it (the weight's gradient read it), and the whole
+        input only as long as something outside the module reads it."""
+        module = op.module
+        for storage_id in op.inputs:
+            row = self.step.storages[storage_id]
+            made_inside = row.producer is not None and within(self.step.ops[row.producer].module, module)
+            share = self.input_share(op, storage_id)
+            if row.role is Role.PARAMETER or share.parameter or share.sliced or made_inside:
+                continue
+            weight = self.param_share[f"{module}.weight"]
+            self.split_inputs[storage_id] = (module, weight.slice())
+            point = self.rw.before(op.index, "tp.split_input", module, op.phase)
+            end = self._run_end(op.index, module)
+            backward = [u for u in row.users if not self.step.ops[u].runs_forward]
+            mine = [u for u in backward if within(self.step.ops[u].module, module)]
+            nbytes = self._bytes(row, weight.slice())
+            if not mine:
+                self.rw.add(nbytes, Role.TEMPORARY, point, Point(end, 0), "input slice", row.dtype)
+                continue
+            _, released = self.rw.lifetime(storage_id)
+            self.rw.add(nbytes, Role.ACTIVATION, point, released, "input slice", row.dtype)
+            if set(backward) == set(mine):
+                outside = [u for u in row.users if u not in mine and not within(self.step.ops[u].module, module)]
+                self.rw.retime(storage_id, last=Point(max([*outside, end]), 0))
+                self.rw.set_role(storage_id, Role.TEMPORARY)
 
     def input_share(self, op, storage_id: int) -> _Share:
-        """What ``op`` reads: a sequence slice gathered for a module is full inside it."""
+        """What ``op`` reads: a sequence slice gathered for a module is full inside it; a whole input a
+        ``rowwise_split_input`` module split is its slice inside that module."""
         scope = self.gathered.get(storage_id)
         if scope is not None and within(op.module, scope):
             return _REPLICATED
+        split = self.split_inputs.get(storage_id)
+        if split is not None and within(op.module, split[0]):
+            return split[1]
         return self.share.get(storage_id, _REPLICATED)
 
     # Partial sums: reduced when the computation leaves the module that holds them.

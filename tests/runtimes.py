@@ -48,6 +48,7 @@ from strategies.tensor_parallel import (
     COLWISE_GATHER_OUTPUT,
     EMBEDDING_ROWWISE,
     ROWWISE,
+    WHOLE_ACTIVATION_STYLES,
     TpPlan,
     expert_rules,
     megatron_plan,
@@ -222,14 +223,38 @@ def fsdp2_peak(
 
 def tensor_parallelize(net: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> None:
     """The estimate's plan applied to ``net``: ``parallelize_module`` with PyTorch's styles (:func:`dtensor_plan`),
-    and the MoE experts with transformers' own (``MoeExpertsParallel`` on the experts module, ``PackedColwiseParallel``
-    and ``RowwiseParallel`` on their 3-D weights), as ``from_pretrained(tp_plan=...)`` applies them: by
-    ``apply_tensor_parallelism``, over the plan's patterns matched to the model's module and parameter names."""
+    and transformers' own style classes where the plan's style is transformers' alone (:func:`transformers_rules`),
+    as ``from_pretrained(tp_plan=...)`` applies them: ``apply_tensor_parallelism`` over the rules expanded to the
+    model's modules and parameters."""
     parallelize_module(net, mesh, dtensor_plan(plan, net))
-    names = [*dict(net.named_modules()), *dict(net.named_parameters())]
-    rules = expert_rules(plan.styles).items()
-    experts = {name: style for pattern, style in rules for name in names if plan_pattern(pattern).fullmatch(name)}
-    apply_tensor_parallelism(net, mesh, experts)
+    apply_tensor_parallelism(net, mesh, _expanded(transformers_rules(plan), net))
+
+
+def transformers_rules(plan: TpPlan) -> dict[str, str]:
+    """The rules run by transformers' classes: the MoE experts' (``MoeExpertsParallel``, and ``PackedColwiseParallel``
+    and ``RowwiseParallel`` on their 3-D weights), which PyTorch has no style for, and the decoder layers' gathered
+    projections (``colwise_gather_output``, ``rowwise_split_input``: transformers' DTensor ``ColwiseParallel`` and
+    ``RowwiseParallel`` with replicated outputs or inputs)."""
+    gathered = {p: s for p, s in plan.styles.items() if s in WHOLE_ACTIVATION_STYLES and p != plan.output_embedding}
+    return expert_rules(plan.styles) | gathered
+
+
+def _expanded(rules: dict[str, str], net: nn.Module) -> dict[str, str]:
+    """transformers' ``_expand_parallel_plan`` on any module: each module's parameters, by their own rule or else the
+    module's, then the module."""
+
+    def rule(name: str) -> str | None:
+        return next((style for pattern, style in rules.items() if plan_pattern(pattern).fullmatch(name)), None)
+
+    expanded = {}
+    for name, module in net.named_modules():
+        style = rule(name)
+        for param, _ in module.named_parameters(recurse=False):
+            if param_style := rule(f"{name}.{param}") or style:
+                expanded[f"{name}.{param}"] = param_style
+        if style:
+            expanded[name] = style
+    return expanded
 
 
 def dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
@@ -244,8 +269,8 @@ def dtensor_plan(plan: TpPlan, net: nn.Module) -> dict[str, ParallelStyle]:
         EMBEDDING_ROWWISE: RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence),
         COLWISE_GATHER_OUTPUT: ColwiseParallel(input_layouts=sequence, output_layouts=Replicate()),
     }
-    experts = expert_rules(plan.styles)  # transformers' styles run them (tensor_parallelize)
-    styles_by_module = {pattern: styles[style] for pattern, style in plan.styles.items() if pattern not in experts}
+    own = transformers_rules(plan)  # transformers' classes run them (tensor_parallelize)
+    styles_by_module = {pattern: styles[style] for pattern, style in plan.styles.items() if pattern not in own}
     if plan.output_embedding and plan.styles[plan.output_embedding] == COLWISE:  # feeding loss_parallel()
         styles_by_module[plan.output_embedding] = ColwiseParallel(
             input_layouts=sequence, output_layouts=Shard(-1), use_local_output=False

@@ -329,8 +329,8 @@ def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     ("family", "message"),
     [
         ("gpt2", "transformers defines none for GPT2"),
-        ("phi3", "modelled for --mode inference"),
         ("llama4_text", "packed_rowwise"),
+        ("deepseek_v2", "mla_kv_a_proj"),
     ],
 )
 def test_tensor_parallelism_needs_a_modelled_plan(tmp_path, capsys, family, message):

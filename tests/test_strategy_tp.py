@@ -205,7 +205,9 @@ def test_moe_experts_setups(family, degree, rank, gathered, options):
 @pytest.mark.parametrize(
     ("family", "layout", "rank", "options"),
     [
-        ("mixtral", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {"grad_checkpointing": "full"}),
+        pytest.param(
+            "mixtral", Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {"grad_checkpointing": "full"}, marks=pytest.mark.slow
+        ),
         pytest.param("qwen3_moe", Layout(gpus=8, tp=4, zero=3), Rank(1, 3), {}, marks=pytest.mark.slow),
         pytest.param(
             "glm4_moe", Layout(gpus=4, tp=2, zero=2, tp_output="gathered"), Rank(0, 1), {}, marks=pytest.mark.slow
@@ -227,8 +229,27 @@ def test_moe_experts_in_parallel_layouts(family, layout, rank, options):
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
-def test_moe_experts_refuse_sequence_parallelism():
+@pytest.mark.parametrize(
+    ("family", "degree", "gathered", "options"),
+    [
+        ("phi3", 2, False, {}),
+        pytest.param("phi3", 4, True, {"grad_checkpointing": "full"}, marks=pytest.mark.slow),
+        pytest.param("phi3", 2, False, {"mixed_precision": "bf16"}, marks=pytest.mark.slow),
+        pytest.param("phi3", 2, False, {"batch_size": 1, "seq_len": 4}, marks=pytest.mark.slow),
+        pytest.param("qwen3_next", 2, False, {}, marks=pytest.mark.slow),  # linear attention gathered, MoE experts
+    ],
+)
+def test_gathered_projections_match_the_runtime(family, degree, gathered, options):
+    """Phi-3's fused projections (``colwise_gather_output`` then ``rowwise_split_input``) in training, by
+    transformers' own ColwiseParallel and RowwiseParallel: every rank runs the attention and MLP whole, the
+    row-wise matmul saves the slice of its input it copied out, and all-gathers that slice's gradient."""
+    overrides = EXPERTS_DOMINATE["qwen3_moe"] if family == "qwen3_next" else {"vocab_size": 32, "num_hidden_layers": 4}
+    _check(family, degree, 0, gathered, shape=EXPERT_SHAPE | options, **overrides)
+
+
+@pytest.mark.parametrize(("family", "style"), [("qwen3_moe", "moe_tp_experts"), ("phi3", "colwise_gather_output")])
+def test_whole_sequence_styles_refuse_sequence_parallelism(family, style):
     with torch.device("meta"):
-        structure = model_structure(tiny_model("qwen3_moe").build(TrainingSetup(target=Target.CPU)))
-    with pytest.raises(UserError, match="--sequence-parallel with Qwen3MoeForCausalLM's MoE experts"):
+        structure = model_structure(tiny_model(family).build(TrainingSetup(target=Target.CPU)))
+    with pytest.raises(UserError, match=f"--sequence-parallel with {structure.model_class}'s {style}"):
         megatron_plan(structure, 2, 0, gathered_output=False, sequence_length=32)
