@@ -86,6 +86,18 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
         ("qwen3_moe", Layout(gpus=4, cp=2, tp=2, zero=3), Rank(), {}),
     ):
         found.append((family, layout, rank, experts[family], shape | options))
+    fused = SPLITTABLE | {"vocab_size": 32, "num_hidden_layers": 4}  # Phi-3's gathered projections
+    for layout, rank, options in (
+        (Layout(gpus=2, tp=2), Rank(), {}),
+        (Layout(gpus=4, tp=4, tp_output="gathered"), Rank(tp=3), {"grad_checkpointing": "full"}),
+        (Layout(gpus=2, tp=2), Rank(), {"mixed_precision": "bf16"}),
+        (Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {}),
+        (Layout(gpus=4, tp=2, zero=2), Rank(0, 1), {"mixed_precision": "bf16", "grad_checkpointing": "full"}),
+        (Layout(gpus=4, pp=2, tp=2, microbatches=4), Rank(pp=1), {}),
+        (Layout(gpus=4, cp=2, tp=2, zero=3), Rank(), {}),
+    ):
+        found.append(("phi3", layout, rank, fused, shape | options))
+    found.append(("qwen3_next", Layout(gpus=2, tp=2), Rank(), experts["qwen3_moe"], shape))  # gathered linear attention
     adapters = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
     for layout, options in (
         (Layout(gpus=4, zero=3), {"lora": adapters}),
