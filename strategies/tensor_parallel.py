@@ -163,7 +163,8 @@ class TensorParallel:
             raise UserError(
                 f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
                 "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Qwen3, Gemma-2, "
-                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3); use --tp 1."
+                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Phi-3, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next); use "
+                "--tp 1."
             )
         if splits_key_heads(plan):
             heads = config.num_attention_heads
