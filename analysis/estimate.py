@@ -216,9 +216,18 @@ class LayoutEstimate:
         return self.source.shared(("line", prepared.model_parallel_key(rank)), build)
 
     def _model_parallel(self, rank: Rank, batch: int) -> StepGraph:
-        prepared = self.prepared
+        prepared, source = self.prepared, self.source
         key = (batch, prepared.model_parallel_key(rank))
-        return self.source.shared(key, lambda: prepared.model_parallel_step(self.source.step(batch), rank))
+
+        def build() -> StepGraph:
+            step = source.step(batch)
+            sliced = None
+            if prepared.pipeline is not None and prepared.tensor is not None:  # pipelines cut their stages from it
+                slice_key = (batch, "slice", prepared.tensor_slice_key(rank))
+                sliced = source.shared(slice_key, lambda: prepared.tensor_slice(step, rank))
+            return prepared.model_parallel_step(step, rank, sliced)
+
+        return source.shared(key, build)
 
     def _transformed(self, rank: Rank, batch: int) -> StepGraph:
         return self.prepared.data_parallel_step(self._model_parallel(rank, batch), rank)

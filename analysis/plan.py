@@ -366,9 +366,10 @@ class _Search:
         """What the candidate's search shares with other candidates' (None: nothing worth keeping together): the
         model-parallel slices of its step, which the first candidate to need them builds."""
         estimate = self.layout_estimate(self.candidate_setup(candidate), candidate.layout)
-        if not estimate.prepared.splits_the_model:
-            return None
-        return id(estimate.source), estimate.prepared.model_parallel_key(Rank())
+        prepared = estimate.prepared
+        if prepared.tensor is not None:  # pipelines of any stages and microbatches cut theirs from the slice
+            return id(estimate.source), prepared.tensor_slice_key(Rank())
+        return (id(estimate.source), prepared.model_parallel_key(Rank())) if prepared.splits_the_model else None
 
     def per_rank_batch(self, layout: Layout) -> int | None:
         """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it

@@ -327,13 +327,18 @@ class PreparedLayout:
         tensor parallelism."""
         return self.data_parallel_step(self.model_parallel_step(step, rank), rank)
 
-    def model_parallel_step(self, step: StepGraph, rank: Rank) -> StepGraph:
-        """The pipeline stage and tensor-parallel slice of ``rank``: what layouts splitting the model alike share,
+    def model_parallel_step(self, step: StepGraph, rank: Rank, sliced: StepGraph | None = None) -> StepGraph:
+        """The tensor-parallel slice and pipeline stage of ``rank``: what layouts splitting the model alike share,
         whatever their data parallelism (``model_parallel_key``); with expert parallelism in training, the traced
-        step's token exchanges recorded as the rank's all-to-all collectives (they grow with the batch)."""
-        if self.pipeline is not None:
+        step's token exchanges recorded as the rank's all-to-all collectives (they grow with the batch). The stage is
+        cut from the slice (``sliced``: one already made, by ``tensor_slice``), which pipelines of any microbatches
+        and schedule share."""
+        if self.pipeline is not None and self.tensor is not None:
+            sliced = self.tensor_slice(step, rank) if sliced is None else sliced
+            step = self.tensor.staged(self.pipeline.apply(sliced, rank.pp), step)
+        elif self.pipeline is not None:
             step = self.pipeline.apply(step, rank.pp)
-        if self.tensor is not None:
+        elif self.tensor is not None:
             step = self.tensor.apply(step, self.setup, rank.tp)
         if self.traced.expert_parallel > 1 and self.setup.mode == "train":
             step = recorded(step, *token_exchanges(step))
@@ -347,6 +352,12 @@ class PreparedLayout:
         expert or context parallelism recorded)."""
         traced = self.traced
         return bool(self.pipeline or self.tensor or traced.expert_parallel > 1 or traced.context_parallel > 1)
+
+    def tensor_slice(self, step: StepGraph, rank: Rank) -> StepGraph:
+        return self.tensor.slice(step, self.setup, rank.tp)
+
+    def tensor_slice_key(self, rank: Rank) -> tuple:
+        return self.tensor, rank.tp if self.tensor else 0, self.setup.seq_len
 
     def model_parallel_key(self, rank: Rank) -> tuple:
         return (
