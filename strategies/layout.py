@@ -323,8 +323,8 @@ class PreparedLayout:
         return [Rank(dp=d, tp=t, pp=p) for p in stages for d in data for t in tensor]
 
     def rank_step(self, step: StepGraph, rank: Rank) -> StepGraph:
-        """The step of ``rank``: the traced step transformed by the layout, its pipeline stage first, then
-        tensor parallelism."""
+        """The step of ``rank``: the traced step transformed by the layout, its model-parallel part (tensor
+        parallelism, the pipeline stage) first, then data parallelism."""
         return self.data_parallel_step(self.model_parallel_step(step, rank), rank)
 
     def model_parallel_step(self, step: StepGraph, rank: Rank, sliced: StepGraph | None = None) -> StepGraph:
