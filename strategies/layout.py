@@ -523,6 +523,11 @@ def _prepare_inference(layout: Layout, setup: TrainingSetup, config: PretrainedC
     """Inference on one GPU, or tensor parallel over all of ``--gpus`` as transformers runs it."""
     if layout.cp > 1:
         raise UserError("--cp (torch's context_parallel) is modelled in training; drop it with --mode inference.")
+    if layout.pp > 1:
+        raise UserError(
+            "--pp (torch.distributed.pipelining) is modelled in training; with --mode inference, --device-map auto "
+            "spreads the layers over the GPUs as accelerate runs them (or --tp N splits each layer)."
+        )
     if layout.routing_imbalance != 1:
         raise UserError(
             "--routing-imbalance applies to --ep in training: at inference each GPU runs its experts on every routed "

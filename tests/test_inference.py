@@ -290,6 +290,8 @@ def test_inference_refuses_data_parallel_layouts():
         analyze(tiny_model("llama"), _inference(), Layout(gpus=2))
     with pytest.raises(UserError, match="--quantize"):
         analyze(tiny_model("llama"), _inference(quantize="nf4", dtype="bf16"), Layout(gpus=2, tp=2))
+    with pytest.raises(UserError, match=r"--pp .* --device-map auto"):
+        analyze(tiny_model("llama"), _inference(), Layout(gpus=4, pp=2, tp=2))
 
 
 def test_sweep_parsing():
