@@ -73,6 +73,7 @@ import torch
 
 from analysis.vllm_weights import HOPPER, WNA16, RankWeights, rank_weights
 from tracer.errors import UserError
+from tracer.expert_parallel import routed_experts
 from tracer.published import quant_method
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
@@ -177,7 +178,7 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
         )
     if method and setup.quantization:
         raise UserError(f"--quantization {setup.quantization}: this checkpoint is already quantized ({method}).")
-    if method in WNA16 and _experts(config):
+    if method in WNA16 and routed_experts(config):
         raise UserError(
             f"a {method.upper()} MoE checkpoint: vLLM's kernels for quantized experts (GPTQMarlinMoEMethod, "
             "AWQMarlinMoEMethod, MoeWNA16) are not modelled. Pass a config.json without quantization_config to size "
@@ -279,7 +280,7 @@ def _layer_peak(config, setup: VllmSetup, dtype_bytes: int, tokens: int) -> dict
     else:
         attention = tokens * ((heads // tp) * head * 2 + 2 * kv_heads * head)  # qkv, then the attention output
     parts = {"attention": (stream + attention) * dtype_bytes}
-    experts = _experts(config)
+    experts = routed_experts(config)
     dense_layers = getattr(config, "first_k_dense_replace", 0) or len(getattr(config, "mlp_only_layers", ()) or ())
     if not experts or dense_layers:
         intermediate = config.intermediate_size // tp
@@ -336,14 +337,6 @@ def _fa3_accumulators(config, setup: VllmSetup, tokens: int) -> int:
     else:
         head_v = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return FA3_SPLITS * heads * tokens * (head_v + 1) * 4
-
-
-def _experts(config) -> int | None:
-    return (
-        getattr(config, "num_local_experts", None)
-        or getattr(config, "num_experts", None)
-        or getattr(config, "n_routed_experts", None)
-    )
 
 
 def startup_json(startup: VllmStartup) -> dict:
