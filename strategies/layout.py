@@ -360,13 +360,7 @@ class PreparedLayout:
         return self.tensor, rank.tp if self.tensor else 0, self.setup.seq_len
 
     def model_parallel_key(self, rank: Rank) -> tuple:
-        return (
-            self.pipeline,
-            rank.pp if self.pipeline else 0,
-            self.tensor,
-            rank.tp if self.tensor else 0,
-            self.setup.seq_len,
-        )
+        return self.pipeline, rank.pp if self.pipeline else 0, *self.tensor_slice_key(rank)
 
     def data_parallel_step(self, step: StepGraph, rank: Rank) -> StepGraph:
         return self.data.apply(step, self.setup, rank.dp) if self.data is not None else step

@@ -298,7 +298,8 @@ def megatron_plan(
         if pattern.startswith(layers) and style != REPLICATED_WITH_GRAD_ALLREDUCE
     }
     if whole_experts:  # expert parallelism holds them: the experts' rules of the plan do not apply
-        styles = {pattern: style for pattern, style in styles.items() if pattern not in expert_rules(styles)}
+        experts = expert_rules(styles)
+        styles = {pattern: style for pattern, style in styles.items() if pattern not in experts}
     elif not styles:
         raise UserError(
             f"--tp needs a tensor-parallel plan for the decoder layers, and {structure.model_class} has none. "
