@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from unittest.mock import patch
@@ -29,7 +29,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining import stage as stage_module
-from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -98,6 +97,8 @@ def _as_a_real_run() -> Iterator[None]:
     same allocation)."""
 
     def vote(self, stages, has_backward, p2p_done):
+        from torch.distributed.pipelining._utils import InferenceMode
+
         for stage in stages:
             stage._inference_mode = InferenceMode.STATIC
 
@@ -110,10 +111,10 @@ def _as_a_real_run() -> Iterator[None]:
                 tensor.uniform_(-1e-2, 1e-2)
         return tensor
 
-    with (
-        patch.object(_PipelineSchedule, "_warmup_p2p", vote),
-        patch.object(stage_module, "_make_tensor_from_meta", make_filled),
-    ):
+    with ExitStack() as patches:
+        if hasattr(_PipelineSchedule, "_warmup_p2p"):  # torch 2.13; before it, shapes were static without a vote
+            patches.enter_context(patch.object(_PipelineSchedule, "_warmup_p2p", vote))
+        patches.enter_context(patch.object(stage_module, "_make_tensor_from_meta", make_filled))
         yield
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -14,9 +15,10 @@ DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "da
 TOLERANCE = 0.005
 
 
-def _recorded(path: Path) -> dict | None:
-    result = json.loads(path.read_text())
-    return result if result.get("allocator_trace") else None
+def _recorded(path: Path) -> list:
+    """The events of a trace ``benchmarks.ground_truth.run_case`` wrote: [action, address, bytes, stream]."""
+    with gzip.open(path, "rt") as file:
+        return json.load(file)["events"]
 
 
 def replayed_and_recorded_reserved_peak(trace: list) -> tuple[int, int]:
@@ -36,11 +38,11 @@ def replayed_and_recorded_reserved_peak(trace: list) -> tuple[int, int]:
     return allocator.peak_reserved, recorded_peak
 
 
-CASES = [path for path in sorted(DATA.rglob("*.json")) if _recorded(path)]
+CASES = sorted(DATA.rglob("*.trace.json.gz"))
 
 
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
 @pytest.mark.parametrize("path", CASES, ids=lambda path: path.stem)
 def test_reserved_peak_of_a_recorded_run(path):
-    ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path)["allocator_trace"])
+    ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path))
     assert ours == pytest.approx(recorded, rel=TOLERANCE)

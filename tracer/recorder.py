@@ -202,8 +202,7 @@ class StepRecorder(TorchDispatchMode):
         elif self._gradients and func is torch.ops.aten.add_.Tensor and inputs[0] in self._gradients:
             self._mark_accumulated(inputs)
         recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
-        count_flops = flop_registry.get(func._overloadpacket)
-        flops = count_flops(*args, **(kwargs or {}), out_val=out) if count_flops else 0
+        flops = _flops(func, args, kwargs or {}, out)
         moved = _moved(func, read, written, args)
         if self.phase is Phase.OPTIMIZER:
             self.traffic[index] = self._traffic(moved, index)
@@ -296,6 +295,35 @@ class StepRecorder(TorchDispatchMode):
                 self.listener.freed(storage)
 
         return callback
+
+
+def _flops(func, args, kwargs, out) -> int:
+    """The op's floating-point operations by torch's flop formulas. Before torch 2.13 the attention formulas
+    asserted that key and value have the query's heads, which grouped-query attention's kernels (enable_gqa)
+    do not: they are counted as the kernel broadcasts them, with the query's heads, as torch 2.13 counts them."""
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    try:
+        return count(*args, **kwargs, out_val=out)
+    except AssertionError:
+        return count(*_with_query_heads(args), **kwargs, out_val=out)
+
+
+def _with_query_heads(args: tuple) -> tuple:
+    """Attention's arguments with every 4-D tensor of fewer heads than the first (the query, or in backward the
+    output's gradient) replaced by a shape-only stand-in with the first's heads."""
+    first = args[0]
+    batch, heads = first.shape[:2]
+
+    def broadcast(arg):
+        if not isinstance(arg, torch.Tensor) or arg.dim() != 4 or arg.shape[0] != batch:
+            return arg
+        if arg.shape[1] >= heads or heads % arg.shape[1]:
+            return arg
+        return torch.empty((batch, heads, *arg.shape[2:]), device="meta")
+
+    return tuple(broadcast(arg) for arg in args)
 
 
 def _moved(func, read: list, written: list, args: tuple) -> list[torch.Tensor]:

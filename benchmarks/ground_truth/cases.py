@@ -23,6 +23,16 @@ SETUPS: dict[str, dict[str, Any]] = {
     "bf16-lora": {"dtype": "bf16", "lora_r": 8},
 }
 SHAPES = ((1, 512), (4, 512), (2, 2048))  # (batch, seq) sweeps
+MAX_SEQ = {"openai-community/gpt2": 1024}  # learned position embeddings: a longer sequence indexes past them
+# generate() as users call it: greedy, bf16 weights, a 512-token prompt, 64 new tokens, each of its caches.
+INFERENCE_MODELS = ("openai-community/gpt2", "Qwen/Qwen2.5-0.5B", "meta-llama/Llama-3.2-1B", "google/gemma-2-2b")
+INFERENCE_SETUPS: dict[str, dict[str, Any]] = {
+    f"generate-{cache}": {"mode": "inference", "dtype": "bf16", "max_new_tokens": 64, "cache": cache}
+    for cache in ("dynamic", "static")
+}
+INFERENCE_SHAPE = (4, 512)
+# Layouts are measured on models with a tensor-parallel plan (GPT-2 has none).
+LAYOUT_MODELS = ("EleutherAI/pythia-410m", "meta-llama/Llama-3.2-1B")
 LAYOUTS: dict[str, dict[str, Any]] = {
     "ddp-4": {"gpus": 4},
     "zero1-4": {"gpus": 4, "zero": 1},
@@ -59,20 +69,24 @@ def _name(model: str, batch: int, seq: int, setup: str, layout: str = "") -> str
 
 
 def matrix(size: str) -> list[Case]:
-    """``quick``: a few minutes on one GPU; ``full``: every model, shape and setup, and the layouts."""
+    """``quick``: a few minutes on one GPU; ``full``: every model, shape and setup, the layouts and generate(),
+    the quick cases first (a run stopped early has them)."""
+    quick = _matrix("quick")
+    return quick if size == "quick" else quick + [case for case in _matrix("full") if case not in quick]
+
+
+def _matrix(size: str) -> list[Case]:
     cases = []
     models = SMALL[:2] if size == "quick" else SMALL + MEDIUM
     setups = ("fp32-adamw", "amp-bf16", "bf16-lora") if size == "quick" else tuple(SETUPS)
     shapes = SHAPES[:2] if size == "quick" else SHAPES
     for model in models:
         for batch, seq in shapes:
+            if seq > MAX_SEQ.get(model, seq):
+                continue
             for setup in setups:
                 cases.append(Case(model, batch, seq, SETUPS[setup], name=_name(model, batch, seq, setup)))
-    if size == "full":
-        for model in LARGE:
-            for setup in ("bf16-lora", "amp-bf16-ckpt"):
-                cases.append(Case(model, 1, 2048, SETUPS[setup], name=_name(model, 1, 2048, setup)))
-    layout_models = SMALL[:1] if size == "quick" else SMALL[:1] + MEDIUM[:1]
+    layout_models = LAYOUT_MODELS[:1] if size == "quick" else LAYOUT_MODELS
     for model in layout_models:
         for layout_name, layout in LAYOUTS.items():
             if size == "quick" and layout_name not in ("fsdp-zero3-4", "tp-2"):
@@ -84,4 +98,13 @@ def matrix(size: str) -> list[Case]:
             continue
         name = _name(PIPELINE_MODEL, 1, 2048, "bf16-adamw", layout_name)
         cases.append(Case(PIPELINE_MODEL, 1, 2048, SETUPS["bf16-adamw"], layout, name=name))
+    inference_models = INFERENCE_MODELS[:2] if size == "quick" else INFERENCE_MODELS
+    batch, seq = INFERENCE_SHAPE
+    for model in inference_models:
+        for setup_name, setup in INFERENCE_SETUPS.items():
+            cases.append(Case(model, batch, seq, setup, name=_name(model, batch, seq, setup_name)))
+    if size == "full":
+        for model in LARGE:
+            for setup in ("bf16-lora", "amp-bf16-ckpt"):
+                cases.append(Case(model, 1, 2048, SETUPS[setup], name=_name(model, 1, 2048, setup)))
     return cases

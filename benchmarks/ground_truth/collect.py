@@ -1,12 +1,17 @@
 """Measure the ground-truth matrix on this machine's GPU: one JSON per case.
 
     python -m benchmarks.ground_truth.collect [--matrix quick|full] [--only TEXT] [--out DIR] [--force]
+                                              [--jobs N] [--deadline-s S]
 
 Each case runs ``benchmarks.ground_truth.run_case`` in a fresh process (the caching allocator keeps what
 earlier cases reserved) and writes ``DIR/<case>.json``: the case, device, driver, CUDA, torch and
 transformers versions, ``max_memory_allocated``, ``max_memory_reserved``, the device memory in use, and the
 allocator's alloc/free trace. The default DIR is benchmarks/ground_truth/data/<device>/. Cases already
 collected are skipped unless --force. ``python -m benchmarks.accuracy`` reads the files.
+
+``--jobs N`` runs N cases at once on the one GPU: each process's allocator counters are its own, so the
+measurements do not change; a case that runs out of memory beside the others is measured again alone at the
+end. ``--deadline-s`` starts no case after that many seconds, so a lent GPU's time is not overrun.
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from benchmarks.ground_truth.cases import matrix
+from benchmarks.ground_truth.cases import Case, matrix
 
 DATA = Path(__file__).resolve().parent / "data"
 CASE_TIMEOUT_S = 1800
@@ -31,6 +37,24 @@ CASE_TIMEOUT_S = 1800
 def device_slug() -> str:
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _short_of_memory(stderr: str) -> bool:
+    """The case ran out of device memory, or measure() refused it for want of free memory."""
+    return "out of memory" in stderr.lower() or "is free on this machine" in stderr
+
+
+def run_case(case: Case, target: Path, device: str, shared_device: bool) -> subprocess.CompletedProcess | None:
+    """Measure one case in a fresh process; None if it timed out."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
+        json.dump(case.to_json(), spec)
+        spec.flush()
+        command = [sys.executable, "-m", "benchmarks.ground_truth.run_case", spec.name, str(target)]
+        command += ["--target", device] + (["--shared-device"] if shared_device else [])
+        try:
+            return subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return None
 
 
 def main() -> int:
@@ -42,37 +66,51 @@ def main() -> int:
     parser.add_argument(
         "--target", choices=("cuda", "cpu"), default="cuda", help="cpu runs the harness without a GPU (a check)"
     )
+    parser.add_argument("--jobs", type=int, default=1, help="cases measured at once on the one GPU (default 1)")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start no case after this many seconds")
     args = parser.parse_args()
     if args.target == "cuda" and not torch.cuda.is_available():
         message = "no CUDA GPU here; the ground truth needs one (--target cpu only checks the harness)"
         print(f"error: {message}.", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        print(f"error: --jobs must be at least 1 (got {args.jobs}).", file=sys.stderr)
+        return 2
     out = args.out or DATA / device_slug()
     out.mkdir(parents=True, exist_ok=True)
     cases = [case for case in matrix(args.matrix) if args.only in case.name]
-    failures = 0
+    todo = [case for case in cases if args.force or not (out / f"{case.name}.json").exists()]
     start = time.time()
-    for number, case in enumerate(cases, 1):
-        target = out / f"{case.name}.json"
-        if target.exists() and not args.force:
-            continue
-        print(f"[{number}/{len(cases)}] {case.name} ({time.time() - start:.0f} s so far)", file=sys.stderr, flush=True)
-        with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
-            json.dump(case.to_json(), spec)
-            spec.flush()
-            command = [sys.executable, "-m", "benchmarks.ground_truth.run_case", spec.name, str(target)]
-            command += ["--target", args.target]
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=CASE_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                print(f"  timed out after {CASE_TIMEOUT_S} s", file=sys.stderr)
-                failures += 1
-                continue
-        if done.returncode != 0:
-            failures += 1
-            print(f"  failed:\n{done.stderr[-2000:]}", file=sys.stderr)
-    print(f"{len(cases) - failures} of {len(cases)} cases in {out} ({time.time() - start:.0f} s)", file=sys.stderr)
-    return 1 if failures else 0
+    measured = 0
+    failed: list[str] = []
+    out_of_memory: list[Case] = []
+
+    def measure(case: Case, shared_device: bool) -> None:
+        nonlocal measured
+        if args.deadline_s is not None and time.time() - start > args.deadline_s:
+            return
+        print(f"{case.name} ({time.time() - start:.0f} s so far)", file=sys.stderr, flush=True)
+        done = run_case(case, out / f"{case.name}.json", args.target, shared_device)
+        if done is not None and done.returncode == 0:
+            measured += 1
+        elif shared_device and done is not None and _short_of_memory(done.stderr):
+            out_of_memory.append(case)
+        else:
+            failed.append(case.name)
+            why = f"timed out after {CASE_TIMEOUT_S} s" if done is None else done.stderr[-2000:]
+            print(f"  {case.name} failed:\n{why}", file=sys.stderr, flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda case: measure(case, args.jobs > 1), todo))
+    for case in out_of_memory:
+        measure(case, False)
+    skipped = len(todo) - measured - len(failed)
+    print(
+        f"{measured} of {len(todo)} cases measured in {out} ({time.time() - start:.0f} s); {len(failed)} failed"
+        + (f", {skipped} not started before the deadline" if skipped else ""),
+        file=sys.stderr,
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -7,12 +7,19 @@ allocator's own trace (``torch.cuda.memory._record_memory_history``) is on from 
 file holds the whole alloc/free sequence (model build, warm-up step, measured step) compactly. One rank of a
 parallel layout runs with a fake process group: real tensors and real memory, collectives that move nothing.
 On CPU the same code runs (to check the harness itself); only CUDA cases are measurements.
+
+Several cases may share one GPU (``collect --jobs``): the allocator's counters are per process, but the device's
+used memory is not, so ``--shared-device`` leaves ``device_used_bytes`` out. ``process_used_bytes`` (NVML's
+memory of this process, where the driver reports it) and ``reserved_at_end`` give the CUDA context either way:
+``process_used_bytes - reserved_at_end``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -80,7 +87,20 @@ def allocator_trace() -> list[list[int | str]]:
     return [[e["action"], e["addr"], e["size"], e["stream"]] for e in events if e["action"] in TRACE_ACTIONS]
 
 
-def run(case: Case, target: Target) -> dict[str, Any]:
+def process_used_bytes() -> int | None:
+    """The device memory NVML charges to this process: the CUDA context plus what the allocator reserved."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == os.getpid()]
+        return used[0] if used else None
+    except Exception:  # no NVML, or a driver that does not report processes (containers): not measured
+        return None
+
+
+def run(case: Case, target: Target, shared_device: bool = False) -> dict[str, Any]:
     cuda = target is Target.CUDA
     if cuda:
         torch.cuda.memory._record_memory_history(
@@ -93,17 +113,32 @@ def run(case: Case, target: Target) -> dict[str, Any]:
 
         result |= measure_rank0(resolve_model(case.model), setup, case.layout, target)
     else:
-        report = measure(case.model, setup)
+        report = measure(case.model, setup, check_fits=False)
         result |= {
             "max_memory_allocated": report.peak_bytes,
             "max_memory_reserved": report.reserved_bytes,
             "device_used_bytes": report.device_total_bytes,
         }
     if cuda:
-        result["allocator_trace_actions"] = list(TRACE_ACTIONS)
-        result["allocator_trace"] = allocator_trace()
+        torch.cuda.synchronize()
+        result["reserved_at_end"] = torch.cuda.memory_reserved()
+        result["process_used_bytes"] = process_used_bytes()
+        if shared_device:
+            result["device_used_bytes"] = None
+        result["allocator_trace"] = {"actions": list(TRACE_ACTIONS), "events": allocator_trace()}
         torch.cuda.memory._record_memory_history(enabled=None)
     return result
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    """The result as ``out``, readable JSON; its allocator trace (most of its size) beside it, gzipped."""
+    trace = result.pop("allocator_trace", None)
+    if trace is not None:
+        trace_path = out.with_suffix(".trace.json.gz")
+        with gzip.open(trace_path, "wt", compresslevel=9) as file:
+            json.dump(trace, file, separators=(",", ":"))
+        result["allocator_trace_file"] = trace_path.name
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:
@@ -111,11 +146,14 @@ def main() -> None:
     parser.add_argument("case", type=Path, help="a case as JSON (benchmarks/ground_truth/cases.py)")
     parser.add_argument("out", type=Path, help="where to write the result JSON")
     parser.add_argument("--target", choices=[t.value for t in Target], default=Target.CUDA.value)
+    parser.add_argument(
+        "--shared-device", action="store_true", help="other cases run on the GPU too: leave device_used_bytes out"
+    )
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     case = Case(**json.loads(args.case.read_text()))
-    result = run(case, Target(args.target))
-    args.out.write_text(json.dumps(result, separators=(",", ":")))
+    result = run(case, Target(args.target), args.shared_device)
+    write(result, args.out)
 
 
 if __name__ == "__main__":
