@@ -21,9 +21,13 @@ def _qkv(dtype, heads=8, kv_heads=8, seq=128, kv_seq=None, head_dim=64, grad=Tru
     return make(heads, seq), make(kv_heads, kv_seq or seq), make(kv_heads, kv_seq or seq)
 
 
+TORCH_2_10, TORCH_2_11, TORCH_2_13 = (2, 10), (2, 11), (2, 13)
+
+
 @pytest.mark.parametrize(
     ("case", "gpu", "expected"),
     [
+        # torch 2.10: flash, efficient, math (its wheels bundle a cuDNN that check_prefer_cudnn_attention refuses)
         (dict(dtype=BF16), "h100", SdpaBackend.FLASH),
         (dict(dtype=torch.float16), "a100-80gb", SdpaBackend.FLASH),
         (dict(dtype=torch.float16), "t4", SdpaBackend.EFFICIENT),  # flash needs sm80 or newer
@@ -37,6 +41,21 @@ def _qkv(dtype, heads=8, kv_heads=8, seq=128, kv_seq=None, head_dim=64, grad=Tru
         (dict(dtype=BF16, head_dim=320), "h100", SdpaBackend.EFFICIENT),  # flash: head dim <= 256
         (dict(dtype=BF16, head_dim=256, dropout=0.1), "l40s", SdpaBackend.EFFICIENT),  # sm89 training limit
         (dict(dtype=BF16, head_dim=256, dropout=0.1), "h100", SdpaBackend.FLASH),
+        # torch 2.11 on and sm90/sm100: cuDNN first
+        (dict(dtype=BF16, torch=TORCH_2_11), "h100", SdpaBackend.CUDNN),
+        (dict(dtype=BF16, torch=TORCH_2_13), "h100", SdpaBackend.CUDNN),
+        (dict(dtype=BF16, torch=TORCH_2_13), "b200", SdpaBackend.CUDNN),
+        (dict(dtype=BF16, torch=TORCH_2_13), "a100-80gb", SdpaBackend.FLASH),  # cuDNN is preferred on sm90/sm100
+        (dict(dtype=FP32, torch=TORCH_2_13), "h100", SdpaBackend.EFFICIENT),  # cuDNN is half precision only
+        (dict(dtype=BF16, mask=True, torch=TORCH_2_13), "h100", SdpaBackend.CUDNN),  # cuDNN takes a mask
+        (dict(dtype=BF16, kv_heads=2, gqa=True, torch=TORCH_2_13), "h100", SdpaBackend.CUDNN),
+        (dict(dtype=BF16, kv_heads=2, gqa=False, torch=TORCH_2_13), "h100", SdpaBackend.MATH),
+        (dict(dtype=BF16, head_dim=256, torch=TORCH_2_13), "h100", SdpaBackend.FLASH),  # cuDNN: head dim <= 128
+        (dict(dtype=BF16, head_dim=20, torch=TORCH_2_13), "h100", SdpaBackend.FLASH),  # cuDNN: multiple of 8
+        # GPT-2's attention dropout 0.1: cuDNN in 2.11, refused from 2.12 (dropout resolution 1/16)
+        (dict(dtype=BF16, dropout=0.1, torch=TORCH_2_11), "h100", SdpaBackend.CUDNN),
+        (dict(dtype=BF16, dropout=0.1, torch=TORCH_2_13), "h100", SdpaBackend.FLASH),
+        (dict(dtype=BF16, dropout=0.125, torch=TORCH_2_13), "h100", SdpaBackend.CUDNN),
     ],
 )
 def test_backend_selection(case, gpu, expected):
@@ -45,9 +64,23 @@ def test_backend_selection(case, gpu, expected):
     )
     mask = torch.ones(128, case.get("kv_seq") or 128, dtype=torch.bool) if case.get("mask") else None
     chosen = select_sdpa_backend(
-        q, k, v, mask, case.get("dropout", 0.0), case.get("causal", True), case.get("gqa", False), find_gpu(gpu)
+        q,
+        k,
+        v,
+        mask,
+        case.get("dropout", 0.0),
+        case.get("causal", True),
+        case.get("gqa", False),
+        find_gpu(gpu),
+        case.get("torch", TORCH_2_10),
     )
     assert chosen is expected
+
+
+def test_cudnn_can_be_deprioritized(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    q, k, v = _qkv(BF16)
+    assert select_sdpa_backend(q, k, v, None, 0.0, True, False, find_gpu("h100"), TORCH_2_13) is SdpaBackend.FLASH
 
 
 def _setup(**options) -> TrainingSetup:
@@ -60,13 +93,33 @@ def _square_attention_storages(trace, setup: TrainingSetup, heads: int):
 
 
 def test_flash_saves_a_logsumexp_not_the_attention_matrix():
-    setup = _setup(mixed_precision="bf16")
+    setup = _setup(mixed_precision="bf16", gpu="a100-80gb")
     trace = trace_step(tiny_model("llama"), setup)
     assert trace.assumptions["sdpa_backend"] == "flash"
     assert "aten._scaled_dot_product_flash_attention.default" in {op.target for op in trace.ops}
     assert not _square_attention_storages(trace, setup, heads=4)
     lse = [s for s in trace.storages.values() if s.shape == (2, 4, 64) and s.dtype == "float32"]
     assert lse and all(s.role is Role.ACTIVATION for s in lse)
+
+
+def test_cudnn_saves_a_logsumexp_and_its_philox_state(monkeypatch):
+    monkeypatch.setattr("tracer.cuda.kernels.installed_torch_version", lambda: TORCH_2_13)
+    setup = _setup(mixed_precision="bf16")  # an H100
+    trace = trace_step(tiny_model("llama"), setup)
+    assert trace.assumptions["sdpa_backend"] == "cudnn"
+    targets = [op.target for op in trace.ops]
+    assert targets.count("aten._scaled_dot_product_cudnn_attention.default") == 2
+    assert targets.count("aten._scaled_dot_product_cudnn_attention_backward.default") == 2
+    assert not _square_attention_storages(trace, setup, heads=4)
+    # out (B, H, L, D), logsumexp (B, H, L, 1) fp32, philox seed and offset: as a trace on an H200 recorded them
+    cudnn = next(op for op in trace.ops if op.target == "aten._scaled_dot_product_cudnn_attention.default")
+    created = [trace.storages[s] for s in cudnn.outputs if trace.storages[s].created_at == cudnn.index]
+    assert [(s.nbytes, s.dtype, tuple(s.shape)) for s in created] == [
+        (2 * 4 * 64 * 16 * 2, "bfloat16", (2, 4, 64, 16)),
+        (2 * 4 * 64 * 4, "float32", (2, 4, 64, 1)),
+        (8, "int64", ()),
+        (8, "int64", ()),
+    ]
 
 
 def test_cpu_target_runs_the_cpu_kernel():
@@ -114,7 +167,8 @@ def test_cublas_workspace_by_architecture(monkeypatch):
     assert cublas_workspace_bytes(find_gpu("a100-80gb")) == 32 * 1024**2
 
 
-def test_workspaces_appear_in_the_cuda_trace():
+def test_workspaces_appear_in_the_cuda_trace(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")  # flash, whose backward scratch is known
     trace = trace_step(tiny_model("llama"), _setup(mixed_precision="bf16"))
     workspace = [s for s in trace.storages.values() if s.role is Role.WORKSPACE]
     assert [s.nbytes for s in workspace] == [32 * 1024**2]
