@@ -27,6 +27,7 @@ from tracer.context_parallel import ring_attention
 from tracer.cuda import CudaEmulation
 from tracer.cuda.caching_allocator import MIN_BLOCK_SIZE
 from tracer.cuda.placement import mark_host_storages
+from tracer.cuda.workspaces import CUBLAS_THREADS_IN_TRAINING
 from tracer.device_map import DevicePlacement, free_memory, place_modules
 from tracer.errors import UserError
 from tracer.expert_parallel import AssumedExchange, routing_of, shard_experts
@@ -179,12 +180,14 @@ def _record(
         if placement is not None:
             placement.place_existing(recorder, net)
         scales = track_published(recorder, net, published)  # alive through the step
-        workspace = []  # one per GPU that runs matmuls
+        workspace = []  # one per GPU and per thread that runs matmuls there (tracer/cuda/workspaces.py)
         if emulation is not None:
+            threads = CUBLAS_THREADS_IN_TRAINING if setup.mode == "train" else 1
             for device in sorted(set(placement.placed.values())) if placement else [0]:
-                workspace.append(torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8))
-                recorder.track_existing(workspace[-1], Role.WORKSPACE, "cuBLAS workspace")
-                recorder.place(workspace[-1], device)
+                for _ in range(threads):
+                    workspace.append(torch.empty(emulation.cublas_workspace_bytes, dtype=torch.uint8))
+                    recorder.track_existing(workspace[-1], Role.WORKSPACE, "cuBLAS workspace")
+                    recorder.place(workspace[-1], device)
 
         def on_phase(phase: Phase) -> None:
             report(phase.value, 0, 0 if phase is Phase.OPTIMIZER else blocks)

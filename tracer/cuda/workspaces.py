@@ -3,6 +3,11 @@
 * The cuBLAS workspace, shared with cuBLASLt, allocated on the first matmul and kept for the process:
   ``getChosenWorkspaceSize`` in aten/src/ATen/cuda/CublasHandlePool.cpp (32 MiB on sm90/sm100/sm120,
   ``:4096:2:16:8`` = 8 MiB + 128 KiB elsewhere, unless ``CUBLAS_WORKSPACE_CONFIG`` says otherwise).
+  One per cuBLAS handle and stream (``cublas_handle_stream_to_workspace``), and handles are per thread
+  (``thread_local ... myPoolWindow``). Training runs its matmuls on two threads: the forward on the caller's,
+  the backward on the autograd engine's thread for the device. So a training process keeps two: on an H200
+  (torch 2.11) every training step measured kept two 32 MiB blocks to its end, every ``generate()`` one
+  (benchmarks/ground_truth/data/nvidia-h200/*.trace.json.gz).
 * Scratch buffers that attention backward kernels allocate for the duration of the kernel:
   flash (``mha_bwd`` in flash_attn/flash_api.cpp) allocates ``softmax_d`` and ``dq_accum`` in fp32, plus
   full-head ``dk``/``dv`` for grouped-query attention; memory-efficient attention
@@ -21,6 +26,7 @@ from tracer.gpus import Gpu
 from tracer.units import round_up
 
 KIB = 1024
+CUBLAS_THREADS_IN_TRAINING = 2  # the caller's thread (forward, optimizer) and autograd's device thread (backward)
 
 
 def cublas_workspace_bytes(gpu: Gpu) -> int:
