@@ -33,9 +33,12 @@ class CudaEmulation:
         self._stack = ExitStack()
 
     def __enter__(self) -> CudaEmulation:
-        self._stack.enter_context(self.kernels)
-        if self._autocast is not None:
-            self._stack.enter_context(self._autocast)
+        # A with statement whose __enter__ raises never calls __exit__: undo what was entered before the error.
+        with ExitStack() as stack:
+            stack.enter_context(self.kernels)
+            if self._autocast is not None:
+                stack.enter_context(self._autocast)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, *exc: object) -> None:

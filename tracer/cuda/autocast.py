@@ -18,13 +18,14 @@ Ops that only CPU autocast handles fall through untouched.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 
 import torch
 from torch.utils._pytree import tree_map
+
+from tracer.cuda.registration import register_kernels
 
 AUTOCAST_CPU = torch._C.DispatchKey.AutocastCPU
 
@@ -36,6 +37,9 @@ class CastPolicy(Enum):
     FP32_APPEND_DTYPE = "fp32_append_dtype"
     PROMOTE = "promote"
     BANNED = "banned"
+    # Registered in builds with cuDNN only, for an op that CPU tensors never reach (CPU runs RNNs by other ops):
+    # ``_cudnn_rnn``'s own wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp) casts to fp16 and reflattens the weights.
+    CUDNN_ONLY = "cudnn_only"
 
 
 _LOWER_PRECISION_FP = """
@@ -65,7 +69,12 @@ CUDA_POLICY: dict[str, CastPolicy] = {
     "norm": CastPolicy.FP32_APPEND_DTYPE,
     **dict.fromkeys(_PROMOTE.split(), CastPolicy.PROMOTE),
     "binary_cross_entropy": CastPolicy.BANNED,
+    "_cudnn_rnn": CastPolicy.CUDNN_ONLY,
 }
+
+# In CUDA autocast's fp32 list after torch 2.11 only: 2.11 registers no autocast kernel for ``rms_norm``, which
+# decomposes there into ops (pow, rsqrt) that the table casts. The kernels follow the ops this torch registers.
+LATER_THAN_2_11 = frozenset({"rms_norm"})
 
 # fp32_append_dtype: the overload each dtype-less ``norm`` overload redispatches to.
 _NORM_WITH_DTYPE = {
@@ -101,19 +110,23 @@ class CudaAutocast:
         self._library: torch.library.Library | None = None
 
     def __enter__(self) -> CudaAutocast:
-        library = torch.library.Library("aten", "IMPL")
         cuda_ops = registered_ops("AutocastCUDA")
         unknown = [op for op in cuda_ops if _base_name(op) not in CUDA_POLICY]
         if unknown:
             raise RuntimeError(f"CUDA autocast policy unknown for {unknown}; update tracer/cuda/autocast.py")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel" is the point
-            for qualified in cuda_ops:
-                op = _overload(qualified)
-                library.impl(op, self._kernel(op, CUDA_POLICY[_base_name(qualified)]), "AutocastCPU")
-            for qualified in set(registered_ops("AutocastCPU")) - set(cuda_ops):
-                library.impl(_overload(qualified), torch.library.fallthrough_kernel, "AutocastCPU")
-        self._library = library
+        emulated = [op for op in cuda_ops if CUDA_POLICY[_base_name(op)] is not CastPolicy.CUDNN_ONLY]
+        self._library = register_kernels(
+            [
+                *(
+                    (_overload(op), self._kernel(_overload(op), CUDA_POLICY[_base_name(op)]), "AutocastCPU")
+                    for op in emulated
+                ),
+                *(
+                    (_overload(op), torch.library.fallthrough_kernel, "AutocastCPU")
+                    for op in set(registered_ops("AutocastCPU")) - set(cuda_ops)
+                ),
+            ]
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

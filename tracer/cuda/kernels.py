@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from enum import Enum
 
 import torch
 import torch.nn.functional as F
 
+from tracer.cuda.registration import register_kernels
 from tracer.gpus import Gpu
 
 
@@ -223,12 +223,9 @@ class CudaKernels:
         self._library: torch.library.Library | None = None
 
     def __enter__(self) -> CudaKernels:
-        library = torch.library.Library("aten", "IMPL")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            library.impl("scaled_dot_product_attention", self._sdpa, "AutogradCPU")
-            library.impl("dropout", _cuda_dropout, "AutogradCPU")
-        self._library = library
+        self._library = register_kernels(
+            [("scaled_dot_product_attention", self._sdpa, "AutogradCPU"), ("dropout", _cuda_dropout, "AutogradCPU")]
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
