@@ -87,6 +87,27 @@ def test_failed_cudamalloc_releases_cached_segments_then_raises():
         allocator.malloc(10 * MIB)
 
 
+def test_empty_cache_releases_only_segments_with_nothing_in_use():
+    allocator = CachingAllocator()
+    kept = allocator.malloc(2 * MIB)  # a 20 MiB segment, split
+    allocator.free(allocator.malloc(3 * MIB))  # from the same segment, which stays: a block of it is in use
+    allocator.free(allocator.malloc(30 * MIB))  # a segment of its own, all free: released
+    allocator.empty_cache()
+    assert (allocator.reserved, allocator.peak_reserved) == (20 * MIB, 50 * MIB)
+    assert [segment.address for segment in allocator.segments] == [kept.segment.address]
+
+
+def test_equal_size_free_blocks_go_by_address_and_new_segments_go_below():
+    allocator = CachingAllocator()
+    older, newer = allocator.malloc(12 * MIB), allocator.malloc(12 * MIB)
+    assert newer.address < older.address  # cudaMalloc's addresses, as the driver mostly gave them: top down
+    allocator.free(older)
+    allocator.free(newer)
+    assert allocator.malloc(12 * MIB).address == newer.address  # the lower address wins the tie
+    placed = CachingAllocator(addresses=lambda nbytes: 7 * 1024**3 if nbytes == 12 * MIB else None)
+    assert placed.malloc(12 * MIB).address == 7 * 1024**3
+
+
 def test_peak_statistics_reset_to_current_values():
     allocator = CachingAllocator()
     allocator.free(allocator.malloc(30 * MIB))
