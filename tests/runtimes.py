@@ -5,6 +5,8 @@ against."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -227,7 +229,25 @@ def tensor_parallelize(net: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> None:
     as ``from_pretrained(tp_plan=...)`` applies them: ``apply_tensor_parallelism`` over the rules expanded to the
     model's modules and parameters."""
     parallelize_module(net, mesh, dtensor_plan(plan, net))
-    apply_tensor_parallelism(net, mesh, _expanded(transformers_rules(plan), net))
+    _apply_transformers_rules(net, mesh, _expanded(transformers_rules(plan), net))
+
+
+def _apply_transformers_rules(net: nn.Module, mesh: DeviceMesh, rules: dict[str, str]) -> None:
+    """``apply_tensor_parallelism`` over ``rules`` (module and parameter names). transformers 5.24 takes them as an
+    argument; 5.17 (``apply_tensor_parallelism(model, tp_mesh)``) reads the model's ``tp_plan``, whose keys it
+    matches with each layer number written as ``*``: there the rules are set as the plan, in that form, while it
+    runs."""
+    if len(inspect.signature(apply_tensor_parallelism).parameters) > 2:
+        apply_tensor_parallelism(net, mesh, rules)
+        return
+    if not rules:  # nothing for transformers to run (a model of the user's own has no tp_plan to read)
+        return
+    previous = net._tp_plan
+    net._tp_plan = {re.sub(r"\.\d+(\.|$)", r".*\1", name): style for name, style in rules.items()}
+    try:
+        apply_tensor_parallelism(net, mesh)
+    finally:
+        net._tp_plan = previous
 
 
 def transformers_rules(plan: TpPlan) -> dict[str, str]:
@@ -539,6 +559,15 @@ def _tensors_of(outputs) -> list[torch.Tensor]:
     return [getattr(holder, attribute) for *_, holder, attribute in output_slots(outputs)]
 
 
+# transformers' expert parallelism at inference as the estimate models it: DistributedConfig(tp_size=N, ep_size=N),
+# the tp_plan with the experts split by the ep_plan. transformers 5.17 has no ep_size: its enable_expert_parallel
+# runs the ep_plan alone (attention whole), another layout.
+TRANSFORMERS_EP_SIZE = "ep_size" in inspect.signature(DistributedConfig).parameters
+EP_SIZE_MISSING = (
+    "this transformers' DistributedConfig has no ep_size (transformers 5.17 runs expert parallelism another way)"
+)
+
+
 def transformers_tp_generate_peak(
     model: ResolvedModel, setup: TrainingSetup, degree: int, rank: int = 0, expert_parallel: bool = False
 ) -> int:
@@ -559,10 +588,15 @@ def transformers_tp_generate_peak(
         torch.manual_seed(0)
         model.build(setup).to(saved_dtype).save_pretrained(directory)
         if expert_parallel:
+            if not TRANSFORMERS_EP_SIZE:
+                raise NotImplementedError(EP_SIZE_MISSING)
             parallel = {"distributed_config": DistributedConfig(tp_size=degree, ep_size=degree)}
         else:
             parallel = {"tp_plan": "auto", "tp_size": degree}
-        with fake_process_group(degree, rank):
+        # transformers loads the shards onto the host's accelerator (and reads LOCAL_RANK for it): this runtime is
+        # CPU's, on a machine with a GPU too.
+        on_cpu = patch.object(torch._C, "_get_accelerator", lambda: torch.device("cpu"))
+        with fake_process_group(degree, rank), on_cpu:
             net = AutoModelForCausalLM.from_pretrained(directory, dtype=setup.param_dtype, **parallel).eval()
             batch = model.batch(setup, "cpu")
             Generation(net, setup).run(batch)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from runtimes import transformers_tp_generate_peak
+from runtimes import EP_SIZE_MISSING, TRANSFORMERS_EP_SIZE, transformers_tp_generate_peak
 from tiny_models import FAMILIES as TINY
 from tiny_models import tiny_model
 
@@ -248,6 +248,7 @@ def test_tensor_parallel_generate_over_four_ranks(family):
     "family",
     ["qwen3_moe", "gpt_oss", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "glm4_moe", "qwen3_next"))],
 )
+@pytest.mark.skipif(not TRANSFORMERS_EP_SIZE, reason=EP_SIZE_MISSING)
 def test_expert_parallel_generate_matches_transformers(family, shape):
     """DistributedConfig(tp_size=2, ep_size=2): attention as the tp_plan splits it (gpt-oss's plan leaves it whole),
     each rank half the experts, run on the whole batch with the other rank's routes masked (AllReduceEP)."""
@@ -255,6 +256,7 @@ def test_expert_parallel_generate_matches_transformers(family, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not TRANSFORMERS_EP_SIZE, reason=EP_SIZE_MISSING)
 def test_expert_parallel_over_four_ranks_with_static_cache():
     """One expert per rank; DeepSeek-V3 keeps its latent attention whole (decode-bound: limits.md)."""
     _check_tensor_parallel("qwen3_moe", _inference(cache="static", **PREFILL_PEAK), 4, expert_parallel=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import replace
@@ -16,9 +17,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 from transformers import masking_utils
 
 from tracer.baseline import register_baseline
@@ -236,10 +239,40 @@ def as_eager() -> Iterator[None]:
         for name, replacement in (
             ("is_tracing", lambda tensor=None: tracing()),
             ("find_packed_sequence_indices", unpacked),
+            *_eager_padding_answers(),
         ):
             if hasattr(masking_utils, name):  # both are recent (transformers 5.x)
                 stack.enter_context(patch.object(masking_utils, name, replacement))
         yield
+
+
+def _eager_padding_answers() -> list[tuple[str, Callable]]:
+    """The other value-dependent question: whether SDPA's mask can be skipped for a padding mask made by the model's
+    own code (OPT in transformers 5.17 makes an all-ones attention mask where none is given; 5.24 makes none). The
+    trace passes no attention mask, so in eager that mask holds ones: the question is answered, outside the trace,
+    for a real mask of ones prepared as the fake one was (padded with zeros to a static cache's length)."""
+    prepare = getattr(masking_utils, "prepare_padding_mask", None)
+    ignore = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if prepare is None or ignore is None:
+        return []
+    stand_ins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def prepared(attention_mask, kv_length, kv_offset, *args, **kwargs):
+        padding_mask = prepare(attention_mask, kv_length, kv_offset, *args, **kwargs)
+        if isinstance(padding_mask, FakeTensor):
+            with _disable_current_modes():
+                ones = torch.ones(attention_mask.shape, dtype=attention_mask.dtype)
+                stand_ins[id(padding_mask)] = (weakref.ref(padding_mask), prepare(ones, kv_length, kv_offset))
+        return padding_mask
+
+    def ignored(padding_mask, *args, **kwargs):
+        held = stand_ins.get(id(padding_mask))
+        if padding_mask is None or held is None or held[0]() is not padding_mask:
+            return ignore(padding_mask, *args, **kwargs)
+        with _disable_current_modes():
+            return ignore(held[1], *args, **kwargs)
+
+    return [("prepare_padding_mask", prepared), ("_ignore_causal_mask_sdpa", ignored)]
 
 
 def traced_micro_steps(setup: TrainingSetup) -> int:
