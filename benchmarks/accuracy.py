@@ -18,12 +18,13 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import transformers
 from tabulate import tabulate
 
 from analysis.estimate import analyze
-from analysis.formulas import formula_estimates
+from analysis.formulas import formula_estimates, model_shape
 from benchmarks.ground_truth.cases import Case
 from benchmarks.ground_truth.collect import DATA
 from benchmarks.ground_truth.run_case import setup_of
@@ -32,7 +33,7 @@ from tracer.gpus import gpu_for_device_name
 from tracer.resolve import resolve_model
 from tracer.training import Target
 
-PEERS = ("16 bytes/parameter", "DeepSpeed model states", "accelerate estimate-memory", "LLMem")
+PEERS = ("16 B/param", "DeepSpeed", "accelerate", "LLMem")  # analysis/formulas.py's names
 
 
 def load_results(data: Path) -> list[dict]:
@@ -52,7 +53,10 @@ def compare(result: dict) -> dict:
         setup = dataclasses.replace(setup, gpu=gpu.name)
     model = resolve_model(case.model)
     layout = Layout(**case.layout)
-    report = analyze(model, setup, layout)
+    # CUDA's kernel choices as the torch that ran the case makes them (cuDNN attention came first in 2.11)
+    measured_torch = _minor_version(result["environment"]["torch"])
+    with patch("tracer.cuda.kernels.installed_torch_version", lambda: measured_torch):
+        report = analyze(model, setup, layout)
     report = next((rank for rank in report.ranks if rank.rank == Rank()), report)  # the harness measures rank 0
     row = {
         "case": case.name,
@@ -62,10 +66,15 @@ def compare(result: dict) -> dict:
         "ours": report.peak_bytes,
         "ours_reserved": report.reserved_bytes,
     }
-    for formula in formula_estimates(model, setup, layout):
+    for formula in formula_estimates(model_shape(model, setup), setup, layout):
         if formula.name in PEERS:
-            row[formula.name] = formula.bytes
+            row[formula.name] = formula.total
     return row
+
+
+def _minor_version(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
 
 
 def _error(estimate: int | None, measured: int) -> float | None:

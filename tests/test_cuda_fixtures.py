@@ -41,8 +41,7 @@ VERSION_DIFFERENCES = {
 # strict, so that a fix shows.
 OPEN_DIFFERENCES = {
     "gemma2__amp-bf16-eager": "open: -0.47% (16 KiB), not shown to be a version difference",
-    "gpt2__amp-bf16-ckpt": "open: +4.39%, not shown to be a version difference",
-    "gpt_neox__amp-bf16-ckpt": "open: +15.69%, not shown to be a version difference",
+    "gpt_neox__amp-bf16-ckpt": "open: +8.43% (+15.69% before checkpointing's recompute cleared the cast cache)",
     "gpt_neox__amp-bf16-eager": "open: -2.41%, not shown to be a version difference",
     "gpt_neox__amp-bf16": "open: -2.77%, not shown to be a version difference",
     "llama__amp-bf16-eager": "open: -0.51% (16 KiB), not shown to be a version difference",

@@ -108,6 +108,7 @@ class CudaAutocast:
     def __init__(self) -> None:
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._library: torch.library.Library | None = None
+        self._clear_torch_cache = torch.clear_autocast_cache
 
     def __enter__(self) -> CudaAutocast:
         cuda_ops = registered_ops("AutocastCUDA")
@@ -127,9 +128,19 @@ class CudaAutocast:
                 ),
             ]
         )
+        self._clear_torch_cache = torch.clear_autocast_cache
+        torch.clear_autocast_cache = self._clear_cache
         return self
 
+    def _clear_cache(self) -> None:
+        """``torch.autocast.__exit__`` clears the cast cache when it leaves the outermost region: the user's, and
+        also each region activation checkpointing opens to recompute a layer in backward, which drops the
+        recomputed layer's weight copies once its backward no longer holds them."""
+        self._clear_torch_cache()
+        self._cache.clear()
+
     def __exit__(self, *exc: object) -> None:
+        torch.clear_autocast_cache = self._clear_torch_cache
         if self._library is not None:
             self._library._destroy()
             self._library = None
