@@ -4,9 +4,14 @@ in backward rather than a formula for it."""
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import TracebackType
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch._functorch.partitioners import get_default_op_list
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -48,6 +53,41 @@ def enable_checkpointing(model: nn.Module, kind: str, reentrant: bool) -> None:
     if isinstance(model, PreTrainedModel):
         # As transformers does under gradient checkpointing: a recomputed attention would append to the cache twice.
         model.config.use_cache = False
+
+
+@contextmanager
+def unwinding_checkpoints() -> Iterator[None]:
+    """Undo what a non-reentrant ``checkpoint`` entered for a forward that raised, before the caller's contexts exit.
+
+    ``checkpoint(use_reentrant=False)`` enters its saved-tensor hooks and its ``context_fn``'s forward context (the
+    dispatch modes of selective checkpointing) in a generator that it resumes only after the forward returns. In
+    torch 2.11 a forward that raises leaves that generator suspended: its hooks stay installed and its modes stay
+    on torch's mode stack until the generator is collected, which a kept traceback (a test failure, a caught
+    error) defers indefinitely. Meanwhile each dispatch mode the caller leaves pops the top of that stack, the
+    checkpoint's mode rather than its own, so the trace's FakeTensorMode outlived it, and every later run of the
+    process dispatched into it ("Mixing fake modes NYI", "Please convert all Tensors to FakeTensors first").
+    Later torch throws the error into the generator (``gen.throw``); this closes each suspended one, innermost
+    first, which unwinds it the same way and does nothing where torch already did."""
+    try:
+        yield
+    except BaseException as error:
+        _close_suspended_checkpoints(error.__traceback__)
+        raise
+
+
+_CHECKPOINT_CODE = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+
+
+def _close_suspended_checkpoints(traceback: TracebackType | None) -> None:
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
+    for frame in reversed(frames):  # the innermost checkpoint entered its contexts last
+        if frame.f_code is _CHECKPOINT_CODE:
+            generator = frame.f_locals.get("gen")
+            if inspect.isgenerator(generator):
+                generator.close()
 
 
 def _wrap_blocks(model: nn.Module, reentrant: bool, context: dict) -> None:

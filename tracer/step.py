@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.cache_utils import Cache
 from transformers.utils import ModelOutput
 
-from tracer.checkpointing import enable_checkpointing
+from tracer.checkpointing import enable_checkpointing, unwinding_checkpoints
 from tracer.errors import UserError
 from tracer.lora import apply_lora
 from tracer.optimizers import AdamW8bit
@@ -163,7 +163,7 @@ class TrainingStep:
     loss_fn: LossFn | None = None  # a custom model's forward and loss (tracer/custom.py); None: outputs.loss
 
     def forward(self, batch: Batch) -> ModelOutput:
-        with self.autocast():
+        with self.autocast(), unwinding_checkpoints():
             outputs = self.model(batch.input_ids, labels=batch.labels)
         if self.fp32_outputs:
             from accelerate.utils.operations import convert_to_fp32
@@ -174,7 +174,7 @@ class TrainingStep:
     def loss(self, batch: Batch) -> torch.Tensor:
         """The forward and its loss; the outputs are kept only if the loop keeps them."""
         if self.loss_fn is not None:
-            with self.autocast():
+            with self.autocast(), unwinding_checkpoints():
                 return self.loss_fn(self.model, batch)
         outputs = self.forward(batch)
         self.kept_outputs = outputs if self.keep_outputs else None
