@@ -7,7 +7,7 @@ import pytest
 
 from analysis.allocator import MIB, AllocatorConfig, CachingAllocator, OutOfMemory, block_size, segment_size
 from analysis.peak import find_peak, timeline
-from analysis.replay import replay_step
+from analysis.replay import replay_step, workspace_first_use
 from tests.tiny_models import tiny_model
 from tracer.graph import build_graph
 from tracer.roles import Phase, Role
@@ -155,6 +155,21 @@ def test_replay_warms_up_creates_optimizer_state_lazily_and_reports_the_measured
     assert replay.peak_reserved == 3 * 12 * MIB + 2 * 16 * MIB
     line = timeline(step).with_allocator_slack(replay.allocated_at)
     assert [line.total(i) for i in range(3)] == replay.allocated_at
+
+
+def test_workspace_first_use_is_its_threads_first_cublas_op():
+    storages = [_storage(1, 32 * MIB, Role.WORKSPACE, None, None), _storage(2, 32 * MIB, Role.WORKSPACE, None, None)]
+    ops = [
+        Op(0, "aten.embedding.default", "embed", Phase.FORWARD, (), ()),
+        Op(1, "aten.addmm.default", "layer", Phase.FORWARD, (), ()),
+        Op(2, "aten.mm.default", "layer", Phase.FORWARD, (), ()),
+        Op(3, "aten.embedding_dense_backward.default", "embed", Phase.BACKWARD, (), ()),
+        Op(4, "aten.mm.default", "layer", Phase.BACKWARD, (), ()),
+    ]
+    step = build_graph(Trace(ops=ops, storages={s.id: s for s in storages}))
+    assert workspace_first_use(step, [1, 2]) == {1: [1], 4: [2]}
+    inference = build_graph(Trace(ops=ops[:3], storages={1: storages[0]}))
+    assert workspace_first_use(inference, [1]) == {1: [1]}
 
 
 @pytest.mark.parametrize("expandable", [False, True])
