@@ -59,6 +59,7 @@ from tracer.baseline import register_baseline
 from tracer.graph import build_graph
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure, plan_pattern
+from tracer.random_scalars import RandomScalarAnswers
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, ResolvedModel
 from tracer.roles import Phase, Role
@@ -114,6 +115,7 @@ def _peak_of_step(
     with (
         FakeTensorMode(),
         MetaFixes(),
+        RandomScalarAnswers(),
         as_eager(),
         patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None),
         patch.object(DeviceMesh, "_concatenate", staticmethod(_real_mesh(DeviceMesh._concatenate))),

@@ -47,6 +47,7 @@ from tracer.published import (
     quant_method,
     track_published,
 )
+from tracer.random_scalars import RandomScalarAnswers
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model
 from tracer.roles import Phase, Role
@@ -145,7 +146,14 @@ def _record(
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     restated = counted_as_published(model.config, setup) and quant_method(model.config) in RESTATED
     published = published_parameters(model.config, setup.param_dtype) if restated else {}
-    with traced_errors(model.model_id), FakeTensorMode(), MetaFixes(), as_eager(), emulation or nullcontext():
+    with (
+        traced_errors(model.model_id),
+        FakeTensorMode(),
+        MetaFixes(),
+        RandomScalarAnswers(),
+        as_eager(),
+        emulation or nullcontext(),
+    ):
         report("building the model", 0, 0)
         net = (model if plan is None else replace(model, config=plan.cut)).build(setup)
         if plan is not None:
