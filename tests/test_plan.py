@@ -20,13 +20,21 @@ from analysis.steptime import Cluster, schedule_makespan, step_time
 from analysis.sweep import run_sweep
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
-from tracer.gpus import find_gpu
+from tracer.gpus import CUDA_CONTEXT_BYTES, find_gpu
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import TrainingSetup
 
 SETUP = TrainingSetup(seq_len=64, dtype="bf16")
 LAYOUTS = (Layout(gpus=4), Layout(gpus=4, zero=3), Layout(gpus=4, zero=2, engine="deepspeed"), Layout(gpus=4, tp=2))
+
+
+MIB = 1024**2
+
+
+def _beyond_context(nbytes: int) -> int:
+    """A GPU's memory sized by what it leaves beyond the CUDA context, which is what the planner's tests size."""
+    return CUDA_CONTEXT_BYTES + nbytes
 
 
 def _step(model, setup: TrainingSetup, batch: int):
@@ -99,7 +107,7 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     """For every layout the planner keeps, ``analyze`` at its micro-batch fits the budget and at one more
     does not (or the micro-batch is the per-rank share of the global batch)."""
     model = tiny_model("llama")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(112 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=None, offload=False)
     checked = 0
@@ -154,7 +162,7 @@ def test_sweep_reads_batch_sizes_off_the_line(monkeypatch, family, setup, layout
 def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
     model = tiny_model("llama")
     whole = 512  # a micro-batch of 32 to 128 fits: every layout accumulates
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(112 * MIB))
     result = plan(model, SETUP, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=whole, offload=False)
     fitting = [o for o in result.outcomes if o.fits]
     assert fitting and result.best is fitting[0]
@@ -207,11 +215,12 @@ def test_accumulated_step_time_is_its_micro_steps_plus_one_optimizer_step(layout
 
 
 def test_nothing_fits_names_a_change_that_would():
-    """Model states of ~200 MB on one GPU of 560 MiB, 464 MiB of it CUDA context and the two cuBLAS workspaces of
-    training: nothing fits one GPU (more than 95% of 560 needed), and sharding over more GPUs is the change named
-    (8 GPUs of FSDP2 need 528 MiB, 26 MiB of it the segments of FSDP2's side-stream pools)."""
+    """Model states of ~200 MB on one GPU that leaves 190 MiB beyond the CUDA context: nothing fits one GPU (916 MiB
+    needed, the context and training's two cuBLAS workspaces included, against 95% of 948), and sharding over more
+    GPUs is the change named (8 GPUs of FSDP2 need 886 MiB, 26 MiB of it the segments of FSDP2's side-stream
+    pools)."""
     model = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4)
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=560 * 1024**2)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(190 * MIB))
     result = plan(model, SETUP, 1, Cluster(gpu), MemoryBudget(gpu.memory_bytes), offload=False)
     assert result.best is None
     assert any("--gpus" in suggestion for suggestion in result.suggestions), result.suggestions
@@ -248,7 +257,8 @@ def test_search_processes_keep_groups_together_and_raise_failures():
 def test_plan_cli_json(tmp_path, capsys):
     config = tmp_path / "config.json"
     config.write_text(tiny_model("llama").config.to_json_string())
-    argv = ["plan", str(config), "--gpus", "2", "--seq-len", "64", "--dtype", "bf16", "--gpu-memory", "512MiB"]
+    memory = f"{_beyond_context(112 * MIB) // MIB}MiB"
+    argv = ["plan", str(config), "--gpus", "2", "--seq-len", "64", "--dtype", "bf16", "--gpu-memory", memory]
     assert main([*argv, "--global-batch", "16", "--json", "--jobs", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["fits"] and data["global_batch"] == 16
@@ -327,7 +337,7 @@ def test_pipeline_layouts_are_planned_with_their_bubble():
     layout's report is analyze's at its micro-batch and microbatches, and its step time carries the pipeline's
     bubble."""
     model = tiny_model("llama", num_hidden_layers=4)
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(624 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=16, offload=False, pipeline="on")
     piped = [o for o in result.outcomes if o.candidate.layout.pp > 1 and o.fits]
@@ -374,7 +384,7 @@ def test_long_sequences_are_planned_with_context_parallelism():
     parallelism, whose reports are analyze's and whose step time prices the ring's exchanges."""
     model = tiny_model("llama", num_hidden_layers=2, max_position_embeddings=16384)
     setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=8 * 1024**3)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(7792 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, setup, 4, Cluster(gpu), budget, offload=False, pipeline="off")
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.fits]
@@ -391,7 +401,7 @@ def test_long_sequences_are_pipelined_with_context_parallelism():
     each one's memory analyze's for that layout at its micro-batch and microbatches."""
     model = tiny_model("llama", num_hidden_layers=4, max_position_embeddings=16384)
     setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=8 * 1024**3)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(7792 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, setup, 4, Cluster(gpu), budget, global_batch=4, offload=False, pipeline="on")
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.candidate.layout.pp > 1]
@@ -412,7 +422,7 @@ def test_moe_models_are_planned_with_expert_parallelism():
     each one's memory is analyze's for that layout at its micro-batch, and its step time prices the all-to-all."""
     model = tiny_model("qwen3_moe")
     setup = dataclasses.replace(SETUP, grad_checkpointing="full")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(160 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, setup, 2, Cluster(gpu), budget, offload=False, routing_imbalance=1.5)
     expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
@@ -434,7 +444,7 @@ def test_expert_parallel_layouts_run_the_per_rank_batch_whole():
     the others accumulate; degrees wider than a node are left out, with why."""
     model = tiny_model("qwen3_moe")
     setup = dataclasses.replace(SETUP, grad_checkpointing="full")
-    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=1024**3 // 2)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(112 * MIB))
     result = plan(model, setup, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=512, offload=False)
     expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
     assert expert_parallel and all(not o.fits and o.needed_at == 256 and o.notes for o in expert_parallel)
