@@ -90,12 +90,20 @@ PUBLISHED_ROUNDED = {
     "HuggingFaceTB/SmolLM3-3B": (3e9, 1e9),
     "deepseek-ai/DeepSeek-V2-Lite": (15.7e9, 0.1e9),
     "Qwen/Qwen3-Next-80B-A3B-Instruct": (80e9, 1e9),
+    # OLMo 2 7B and 32B as named; OLMoE's 6.9B total (AI2's announcement: "1.3 billion active parameters and 6.9
+    # billion total"); Gemma 3 12B's language model (the card's 12B counts the SigLIP tower too)
+    "allenai/OLMo-2-1124-7B": (7e9, 1e9),
+    "allenai/OLMo-2-0325-32B": (32e9, 1e9),
+    "allenai/OLMoE-1B-7B-0924": (6.9e9, 0.1e9),
+    "google/gemma-3-12b-it": (12e9, 1e9),
 }
 # The same architecture as a model checked above (Llama 3.3's card: the Llama 3.1 70B architecture; OLMo 2's
 # instruction-tuned checkpoint: post-trained from the base).
 SAME_ARCHITECTURE = {
     "meta-llama/Llama-3.3-70B-Instruct": "meta-llama/Llama-3.1-70B",
     "allenai/OLMo-2-1124-13B-Instruct": "allenai/OLMo-2-1124-13B",
+    "allenai/OLMo-2-1124-7B-Instruct": "allenai/OLMo-2-1124-7B",
+    "allenai/OLMo-2-0325-32B-Instruct": "allenai/OLMo-2-0325-32B",
 }
 
 REQUIRED = [
@@ -160,7 +168,7 @@ LISTED_2026 = [
     "meta-llama/Llama-3.3-70B-Instruct",
     "meta-llama/Llama-4-Scout-17B-16E-Instruct",
     "meta-llama/Llama-4-Maverick-17B-128E-Instruct",
-    *(f"google/gemma-3-{size}-it" for size in ("1b", "4b", "27b")),
+    *(f"google/gemma-3-{size}-it" for size in ("1b", "4b", "12b", "27b")),
     "microsoft/phi-4",
     "microsoft/Phi-4-mini-instruct",
     "mistralai/Mistral-Nemo-Instruct-2407",
@@ -171,7 +179,10 @@ LISTED_2026 = [
     "deepseek-ai/DeepSeek-V2-Lite-Chat",
     "openai/gpt-oss-20b",
     "openai/gpt-oss-120b",
+    "allenai/OLMo-2-1124-7B-Instruct",
     "allenai/OLMo-2-1124-13B-Instruct",
+    "allenai/OLMo-2-0325-32B-Instruct",
+    "allenai/OLMoE-1B-7B-0924-Instruct",
     "HuggingFaceTB/SmolLM2-1.7B-Instruct",
     "HuggingFaceTB/SmolLM3-3B",
     "zai-org/GLM-4.5",
@@ -181,11 +192,10 @@ LISTED_2026 = [
     "google/gemma-2-9b-it",
     "mistralai/Mixtral-8x7B-Instruct-v0.1",
 ]
-# Listed, but no verbatim copy of their config.json was found to bundle (tracer/configs/SOURCES.md).
+# Not bundled: no copy of their config.json was found whole enough to bundle (tracer/configs/SOURCES.md).
 NOT_BUNDLED = {
-    "google/gemma-3-12b-it": "google/gemma-3-",
-    "allenai/OLMo-2-1124-7B": "allenai/OLMo-2-1124-13B",
-    "allenai/OLMo-2-0325-32B": "allenai/OLMo-2-1124-13B",
+    "allenai/OLMo-2-0425-1B": "allenai/OLMo-2-",
+    "allenai/OLMoE-1B-7B-0125": "allenai/OLMoE-1B-7B-0125-SFT",
 }
 
 

@@ -143,6 +143,17 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=2,
         max_position_embeddings=POSITIONS,
     ),
+    "olmoe": dict(  # OLMo's q/k norms with 64 fine-grained experts, no shared expert, top-k not renormalized
+        model_type="olmoe",
+        hidden_size=HIDDEN,
+        intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=POSITIONS,
+    ),
     "qwen3_moe": dict(
         model_type="qwen3_moe",
         hidden_size=HIDDEN,

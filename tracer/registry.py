@@ -107,6 +107,19 @@ BUNDLED_MODELS: tuple[BundledModel, ...] = (
     BundledModel("HuggingFaceTB/SmolLM3-3B", ("HuggingFaceTB/SmolLM3-3B-Base",)),
     BundledModel("allenai/OLMo-2-1124-13B"),
     BundledModel("allenai/OLMo-2-1124-13B-Instruct"),  # its own file: stored in bf16, the base in fp32
+    BundledModel("allenai/OLMo-2-1124-7B"),
+    BundledModel(
+        "allenai/OLMo-2-1124-7B-Instruct", ("allenai/OLMo-2-1124-7B-SFT", "allenai/OLMo-2-1124-7B-DPO")
+    ),  # bf16, the base fp32
+    BundledModel("allenai/OLMo-2-0325-32B"),
+    BundledModel(
+        "allenai/OLMo-2-0325-32B-Instruct", ("allenai/OLMo-2-0325-32B-SFT", "allenai/OLMo-2-0325-32B-DPO")
+    ),  # bf16, the base fp32
+    BundledModel(
+        "allenai/OLMoE-1B-7B-0924",
+        ("allenai/OLMoE-1B-7B-0924-Instruct", "allenai/OLMoE-1B-7B-0125-SFT", "allenai/OLMoE-1B-7B-0125-DPO"),
+    ),
+    BundledModel("google/gemma-3-12b-it", ("google/gemma-3-12b-pt",)),
 )
 
 _BY_NAME = {name.lower(): model for model in BUNDLED_MODELS for name in (model.model_id, *model.aliases)}
