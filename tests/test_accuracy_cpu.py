@@ -65,6 +65,7 @@ MOE_AND_2025_FAMILIES = [
     "glm4_moe",
     "qwen3_next",
     "olmo2",
+    "olmoe",
 ]
 ALTERNATING = {"layer_types": ["sliding_attention", "full_attention"] * 2}
 FOUR_LAYERS = {"gpt_oss": ALTERNATING, "gemma3_text": ALTERNATING, "smollm3": {"no_rope_layers": [1, 1, 1, 0]}}
