@@ -56,7 +56,9 @@ def trace_on_cuda(family: str, setup: TrainingSetup) -> Trace:
         net = build_model(model.config, setup)
         batch = make_batch(model.config, setup, "cuda")
         autocast = partial(torch.autocast, "cuda", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
-        optimizer = build_optimizer(net, setup, foreach=None)
+        # foreach, as torch picks it for real CUDA parameters; under FakeTensorMode its check of the tensor type
+        # fails and it would pick the per-parameter loop no real run takes
+        optimizer = build_optimizer(net, setup, foreach=True)
         step = TrainingStep(net, optimizer, **({"autocast": autocast} if autocast else {}))
         step.prime(batch)
         recorder = StepRecorder(ModuleScope(net), device_type="cuda")
