@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -20,6 +21,8 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import torch
 
 from analysis.budget import MemoryBudget
 from analysis.estimate import LayoutEstimate, StepSource
@@ -416,7 +419,11 @@ def _in_processes(
     Indices with the same ``together`` key (None: none) run in one process, one after another: they share what the
     first of them builds (a tensor-parallel slice of a step), which another process would build again. Each process
     takes the next group when it is done with one, the largest groups first."""
-    if jobs <= 1 or count <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if jobs <= 1 or count < 1 or "fork" not in multiprocessing.get_all_start_methods():
+        yield from ((index, work(index)) for index in range(count))
+        return
+    context = multiprocessing.get_context("fork")
+    if not _autograd_forks(context):
         yield from ((index, work(index)) for index in range(count))
         return
     groups: dict[Hashable, list[int]] = {}
@@ -425,7 +432,6 @@ def _in_processes(
         groups.setdefault(("alone", index) if key is None else key, []).append(index)
     global _FORKED_WORK
     _FORKED_WORK = work
-    context = multiprocessing.get_context("fork")
     tasks, results = context.SimpleQueue(), context.Queue()
     for group in sorted(groups.values(), key=len, reverse=True):
         tasks.put(group)
@@ -448,6 +454,27 @@ def _in_processes(
 
 
 _FORKED_WORK: Callable[[int], object] | None = None  # what forked workers run
+_AUTOGRAD_FORKS = True  # False once a forked process could not run autograd: it never can again
+
+
+def _autograd_forks(context) -> bool:
+    """Whether a process forked now can run a backward (a trace does). Once this process's autograd engine has
+    started device threads (at its first backward where torch sees a GPU), torch makes every process it forks refuse
+    autograd (``in_bad_autograd_fork``, torch/csrc/autograd/engine.cpp): the work then runs here, one at a time."""
+    global _AUTOGRAD_FORKS
+    if _AUTOGRAD_FORKS:
+        probe = context.Process(target=_backward_once)
+        probe.start()
+        probe.join()
+        _AUTOGRAD_FORKS = probe.exitcode == 0
+    return _AUTOGRAD_FORKS
+
+
+def _backward_once() -> None:
+    try:
+        torch.ones((), requires_grad=True).backward()
+    except RuntimeError:
+        os._exit(1)
 
 
 def _run_forked(tasks, results) -> None:

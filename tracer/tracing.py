@@ -8,7 +8,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import replace
-from functools import partial
+from functools import cache, partial
 from unittest.mock import patch
 
 import torch
@@ -137,11 +137,30 @@ def _stamped(cut: Trace, net: nn.Module, plan: LayerPlan) -> Trace:
     return trace
 
 
+@cache
+def _first_backward_outside_fake_mode() -> None:
+    """This process's first backward, on a real CPU tensor, before any trace's.
+
+    The autograd engine sizes its device threads once, at the first backward of a process (``Engine::start_device_
+    threads`` under ``call_once``, torch/csrc/autograd/engine.cpp), from the device count of every registered device
+    guard; starting them, it registers ``pthread_atfork`` so that a forked child refuses autograd ("Unable to handle
+    autograd's threading in combination with fork-based multiprocessing"). Where torch is a CUDA build on a machine
+    without a GPU (torch 2.11+cu130 on a CPU host), ``FakeTensorMode.__enter__`` swaps the CUDA guard for a no-op one
+    that reports devices (``torch._C._ensureCUDADeviceGuardSet()``, torch/_subclasses/fake_tensor.py), so a first
+    backward inside a trace starts threads for GPUs the machine lacks, and ``plan``'s forked search processes cannot
+    trace. Run first, the engine counts the devices there are: none, no threads. (A CPU build registers no CUDA guard
+    either way; on a GPU machine the threads start whatever runs first, and ``plan`` checks a fork before using one.)
+    """
+    with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
+        torch.ones((), requires_grad=True).backward()
+
+
 def _record(
     model: Model, setup: TrainingSetup, progress: Progress | None, plan: LayerPlan | None = None
 ) -> tuple[Trace, nn.Module]:
     """Record the step of ``model``, or of it cut to the layers ``plan`` traces, with the model it ran."""
     report = progress or (lambda stage, done, total: None)
+    _first_backward_outside_fake_mode()
     cuda = setup.target is Target.CUDA
     emulation = CudaEmulation(find_gpu(setup.gpu), setup.autocast_dtype) if cuda else None
     restated = counted_as_published(model.config, setup) and quant_method(model.config) in RESTATED
