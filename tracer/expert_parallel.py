@@ -38,6 +38,7 @@ from tracer.modules import plan_pattern
 
 EXPERT_WEIGHTS = "grouped_gemm"
 DISPATCHED_EXPERTS = "ep_dispatch_experts"
+LEGACY_ROUTER, LEGACY_EXPERTS = "ep_router", "moe_tp_experts"  # transformers 5.17's split of the same dispatch
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def shard_experts(model: nn.Module, degree: int, rank: int = 0, exchange: TokenE
     plan = getattr(model, "_ep_plan", None) or {}  # full module and parameter paths, "*" for a layer index
     if not plan:
         raise UserError(f"--ep: transformers defines no expert-parallel plan for {type(model).__name__}; use --ep 1.")
-    modules = [m for p, style in plan.items() if style == DISPATCHED_EXPERTS for m in _matching(model, p)]
+    modules = [m for p, style in plan.items() if style in _experts_styles(plan) for m in _matching(model, p)]
     for experts in modules:
         if experts.num_experts % degree:
             raise UserError(f"--ep {degree} must divide the {experts.num_experts} experts of each MoE layer.")
@@ -196,6 +197,16 @@ def shard_experts(model: nn.Module, degree: int, rank: int = 0, exchange: TokenE
             continue
         experts._is_expert_parallel = True
         experts.forward = _all_reduce_dispatch(experts.forward, experts.num_experts, rank)
+
+
+def _experts_styles(plan: dict[str, str]) -> tuple[str, ...]:
+    """The styles of the experts modules in ``plan``. Transformers before ``ep_dispatch_experts`` (5.17) ran the same
+    dispatch in two parts (distributed/tensor_parallel.py): ``ep_router`` on the router (``EpRouterParallel``: routes
+    to other ranks' experts get the local id ``num_local_experts`` and weight 0, this rank's their local id) and
+    ``moe_tp_experts`` on the experts module (``MoeExpertsParallel``: the output summed over the group by an in-place
+    all-reduce), with ``grouped_gemm`` setting the experts module's ``num_experts`` to the local count
+    (``MoEParamShard``)."""
+    return (DISPATCHED_EXPERTS, LEGACY_EXPERTS) if LEGACY_ROUTER in plan.values() else (DISPATCHED_EXPERTS,)
 
 
 def expert_weight(plan: dict[str, str], name: str | None) -> bool:
@@ -293,4 +304,5 @@ def _grouped_experts(experts: nn.Module, rows: torch.Tensor, per_expert: torch.T
     hidden = experts._apply_gate(hidden) if experts.has_gate else experts.act_fn(hidden)
     down_bias = None if ids is None else experts.down_proj_bias[ids]
     output = _grouped_linear(hidden, experts.down_proj, offsets, bias=down_bias, is_transposed=experts.is_transposed)
-    return experts.post_expert_norm(output) if experts.has_post_expert_norm else output
+    norm = getattr(experts, "has_post_expert_norm", False)  # transformers 5.17's experts have none
+    return experts.post_expert_norm(output) if norm else output
