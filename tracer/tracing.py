@@ -147,9 +147,10 @@ def _first_backward_outside_fake_mode() -> None:
     autograd's threading in combination with fork-based multiprocessing"). Where torch is a CUDA build on a machine
     without a GPU (torch 2.11+cu130 on a CPU host), ``FakeTensorMode.__enter__`` swaps the CUDA guard for a no-op one
     that reports devices (``torch._C._ensureCUDADeviceGuardSet()``, torch/_subclasses/fake_tensor.py), so a first
-    backward inside a trace starts threads for GPUs the machine lacks, and ``plan``'s forked search processes cannot
-    trace. Run first, the engine counts the devices there are: none, no threads. (A CPU build registers no CUDA guard
-    either way; on a GPU machine the threads start whatever runs first, and ``plan`` checks a fork before using one.)
+    backward inside a trace starts threads for GPUs the machine lacks (eight, pt_autograd_0-7, measured on torch
+    2.11.0+cu130), and ``plan``'s forked search processes cannot trace. Run first, the engine counts the devices there
+    are: none, no threads. (torch 2.13.0+cpu starts none either way; on a GPU machine the threads start whatever runs
+    first, and ``plan`` checks a fork before using one.)
     """
     with _disable_current_modes(), torch.inference_mode(False), torch.enable_grad():
         torch.ones((), requires_grad=True).backward()
