@@ -41,6 +41,9 @@ class Gpu:
     interconnect_gbps: float  # GPU-to-GPU bandwidth of one GPU in one direction, GB/s
     context_bytes: int = CUDA_CONTEXT_BYTES
     note: str = ""
+    # torch.cuda.get_device_properties().L2_cache_size, the buffer inductor's autotuner flushes the L2 with
+    # (analysis/cudagraphs.py); None where not known
+    l2_cache_bytes: int | None = None
 
     def peak_flops(self, compute_dtype: str) -> float:
         """Peak FLOP/s of matmuls in ``compute_dtype`` ("bfloat16", "float16", "float32")."""
@@ -112,8 +115,12 @@ GPUS: tuple[Gpu, ...] = (
     Gpu("l40s", "NVIDIA L40S", (8, 9), _gib(44.42), 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS),
     Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), _gib(39.50), 312, 312, 19.5, 1555, NVLINK_3, 300),
     Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), _gib(79.14), 312, 312, 19.5, 2039, NVLINK_3, 300),
-    Gpu("h100", "NVIDIA H100 80GB", (9, 0), _gib(79.18), 989, 989, 67, 3350, NVLINK_4, 450),
-    Gpu("h200", "NVIDIA H200", (9, 0), _gib(139.80), 989, 989, 67, 4800, NVLINK_4, 450),
+    # L2: 50 MiB on the H100 SXM5 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3); the H200's
+    # 60 MiB is the flush buffer its autotuner allocated (benchmarks/ground_truth/data/nvidia-h200, torch 2.11)
+    Gpu(
+        "h100", "NVIDIA H100 80GB", (9, 0), _gib(79.18), 989, 989, 67, 3350, NVLINK_4, 450, l2_cache_bytes=50 * 1024**2
+    ),
+    Gpu("h200", "NVIDIA H200", (9, 0), _gib(139.80), 989, 989, 67, 4800, NVLINK_4, 450, l2_cache_bytes=60 * 1024**2),
     Gpu("b200", "NVIDIA B200", (10, 0), _gib(178.35), 2250, 2250, 75, 8000, NVLINK_5, 900),
     Gpu(
         "mi300x",
