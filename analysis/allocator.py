@@ -24,7 +24,8 @@ The rules are those of ``c10/cuda/CUDACachingAllocator.cpp`` (``round_size``, ``
   pool) or 20 MiB (large pool), and blocks split whenever 512 bytes or more remain.
 
 Not modelled: ``max_split_size_mb``, ``roundup_power2_divisions`` and ``garbage_collection_threshold``
-(off by default), CUDA graph pools, and blocks kept for other streams by ``record_stream``; with
+(off by default), and blocks kept for other streams by ``record_stream`` (a CUDA graph's private pool is a
+stream of its own here, which ``empty_cache`` may be told to keep: analysis/cudagraphs.py); with
 expandable segments, an allocation that fails releases only the free pages at the end of each segment.
 """
 
@@ -158,10 +159,11 @@ class CachingAllocator:
         self._addresses = addresses
         self._next_address = 1 << 47  # a made-up device address space, taken from the top down
 
-    def empty_cache(self) -> None:
+    def empty_cache(self, keep_streams: frozenset[int] = frozenset()) -> None:
         """``torch.cuda.empty_cache`` (``emptyCache``): ``release_cached_blocks``, every segment with no block in
-        use goes back to the driver; the peaks keep what they saw."""
-        self._release_cached()
+        use goes back to the driver; the peaks keep what they saw. The segments of ``keep_streams`` stay: a CUDA
+        graph's private pool, which ``release_cached_blocks`` frees only once no graph uses it."""
+        self._release_cached(keep_streams)
 
     def reset_peak(self) -> None:
         """``torch.cuda.reset_peak_memory_stats``: peaks restart from the current values."""
@@ -286,10 +288,13 @@ class CachingAllocator:
         self.reserved += nbytes
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
-    def _release_cached(self) -> None:
+    def _release_cached(self, keep_streams: frozenset[int] = frozenset()) -> None:
         """``release_cached_blocks``: give back every segment none of whose memory is in use."""
         kept = []
         for segment in self.segments:
+            if segment.stream in keep_streams:
+                kept.append(segment)
+                continue
             pool = self._pool(segment.small, segment.stream)
             blocks = segment.blocks()
             if segment.expandable:

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from analysis.allocator import AllocatorConfig
 from analysis.batch_line import BatchLine, BatchShapeError
+from analysis.cudagraphs import compiled_decode
 from analysis.peak import PeakLine, Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
@@ -276,7 +277,8 @@ def rank_estimate(
     line = timeline(rank_step)
     replay = None
     if setup.target is Target.CUDA:
-        replay = replay_step(rank_step, allocator_config(setup))
+        compiled = compiled_decode(setup, find_gpu(setup.gpu), trace.structure.model_class)
+        replay = replay_step(rank_step, allocator_config(setup), compiled=compiled)
         line = line.with_allocator_slack(replay.allocated_at)
     report = build_report(model_id, setup, trace, rank_step, line, find_peak(line), layout, rank)
     if replay is not None:

@@ -12,6 +12,12 @@ keeps every segment the warm-up reserved. The replay does the same with the one 
 
 Within an op, its new storages are allocated (in creation order) before the storages whose last use it was
 are freed: the same moment the op-level timeline counts (analysis/peak.py).
+
+A ``generate()`` whose decode steps run as CUDA graphs (``compiled``, analysis/cudagraphs.py) does, in the
+warm-up only, what the process's first generate() did: ``empty_cache`` where the compiled call starts, the cuBLAS
+workspace moved into the graphs' private pool for the call, the autotuner's buffers beside each op of it, and
+``empty_cache`` again for the recording. The compiled call's storages are allocated in that pool in both passes
+(a replay reuses the blocks its recording left; the measured step's graph replays allocate nothing more).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
+from analysis.cudagraphs import CUDA_GRAPH_POOL, CompiledDecode, compiled_span, writes_in_place
 from analysis.liveness import holds_memory
 from tracer.graph import StepGraph
 from tracer.roles import Phase, Role
@@ -65,8 +72,10 @@ def replay_step(
     step: StepGraph,
     config: AllocatorConfig = DEFAULT_CONFIG,
     observer: Observer | None = None,
+    compiled: CompiledDecode | None = None,
 ) -> AllocatorReplay:
-    """Replay a warm-up step and the measured step through the caching allocator model."""
+    """Replay a warm-up step and the measured step through the caching allocator model; ``compiled``: the decode
+    step runs as CUDA graphs (analysis/cudagraphs.py)."""
     allocator = CachingAllocator(config)
     sizes = {
         row.id: row.nbytes for row in step.storages.values() if row.on_device and row.nbytes > 0 and holds_memory(row)
@@ -75,6 +84,12 @@ def replay_step(
     stream_of = {}
     for storage_id in sizes:
         stream_of[storage_id] = streams.setdefault(step.storages[storage_id].stream, len(streams))
+    span = compiled_span(step) if compiled is not None else None
+    graphs = CudaGraphWarmUp(step, span, compiled, streams.setdefault(CUDA_GRAPH_POOL, len(streams))) if span else None
+    if graphs is not None:
+        for storage_id in sizes:
+            if step.storages[storage_id].producer in span:
+                stream_of[storage_id] = graphs.pool
     created: dict[int, list[int]] = defaultdict(list)
     released: dict[int, list[int]] = defaultdict(list)
     first_use: dict[int, list[int]] = defaultdict(list)
@@ -114,13 +129,17 @@ def replay_step(
     allocated_at: list[int] = []
     for measured in (False, True):
         if measured:
-            for storage_id in [s for s in sizes if step.storages[s].producer is None and s not in live]:
-                allocate(storage_id, 0, measured=False)  # existed before the step, freed in the warm-up's
+            # existed before the step, freed in the warm-up's (a workspace comes back at its first matmul)
+            for storage_id in [s for s in sizes if step.storages[s].producer is None and s not in live.keys() | late]:
+                allocate(storage_id, 0, measured=False)
             allocator.reset_peak()
             if observer is not None:
                 for storage_id, block in live.items():
                     observer(-1, storage_id, block, True)
         for op in step.ops:
+            warming_up = graphs is not None and not measured and op.index in graphs.span
+            if warming_up and op.index == graphs.span.start:
+                graphs.start(allocator, [s for s in live if step.storages[s].role is Role.WORKSPACE], release)
             for storage_id in first_use.get(op.index, ()):
                 if storage_id not in live:
                     allocate(storage_id, op.index, measured)
@@ -129,10 +148,16 @@ def replay_step(
             for storage_id in after_op.get(op.index, ()):
                 if storage_id not in live:
                     allocate(storage_id, op.index, measured)
+            if warming_up:
+                graphs.launch(allocator, op)
             if measured:
                 allocated_at.append(allocator.allocated)
             for storage_id in released.get(op.index, ()):
                 release(storage_id, op.index, measured)
+            if warming_up and op.index == graphs.span.stop - 1:
+                graphs.stop(allocator)
+        if graphs is not None and not measured:  # the recording's torch.cuda.graph empties the cache again
+            allocator.empty_cache(keep_streams=frozenset({graphs.pool}))
         if not measured:  # what the warm-up made that outlives it is replaced by the next step's
             for storage_id in [s for s in live if step.storages[s].producer is not None]:
                 release(storage_id, len(step.ops), measured=False)
@@ -144,6 +169,49 @@ def replay_step(
         peak_reserved=allocator.peak_reserved,
         segments=list(allocator.segments),
     )
+
+
+class CudaGraphWarmUp:
+    """The process's first compiled decode call, as cudagraph_trees.py runs it (analysis/cudagraphs.py)."""
+
+    def __init__(self, step: StepGraph, span: range, compiled: CompiledDecode, pool: int) -> None:
+        self.step, self.span, self.compiled, self.pool = step, span, compiled, pool
+        self.workspace_bytes: list[int] = []
+        self.workspaces: list[Block] = []
+
+    def start(self, allocator: CachingAllocator, workspaces: list[int], release) -> None:
+        """The tree manager's empty capture empties the cache; ``clear_cublas_manager`` frees the workspace."""
+        allocator.empty_cache()
+        for storage_id in workspaces:
+            self.workspace_bytes.append(self.step.storages[storage_id].nbytes)
+            release(storage_id, self.span.start, False)
+
+    def launch(self, allocator: CachingAllocator, op) -> None:
+        """The op's kernel: its first matmul takes a cuBLAS workspace in the pool (inductor calls cuBLAS for
+        matmuls outside max-autotune, ``tuned_mm``); any other kernel may autotune, with a copy of what it writes in
+        place and the L2 flush buffer live."""
+        if op.target.rpartition(".")[0] in CUBLAS_OPS:  # an extern cuBLAS call: no autotuning without max-autotune
+            if self.workspace_bytes:
+                self.workspaces = [allocator.malloc(nbytes, self.pool) for nbytes in self.workspace_bytes]
+                self.workspace_bytes = []
+            return
+        clones = []
+        if writes_in_place(op.target):
+            written = [s for s in op.outputs if s in op.inputs and self.step.storages[s].on_device]
+            clones = [allocator.malloc(self.step.storages[s].nbytes, self.pool) for s in written]
+        if self.compiled.l2_cache_bytes:
+            allocator.free(allocator.malloc(self.compiled.l2_cache_bytes, self.pool))
+        for block in clones:
+            if block is not None:
+                allocator.free(block)
+
+    def stop(self, allocator: CachingAllocator) -> None:
+        """``clear_cublas_manager`` frees the pool's workspace as the call returns; the eager code's next matmul
+        (the next prefill) takes a new one."""
+        for block in self.workspaces:
+            if block is not None:
+                allocator.free(block)
+        self.workspaces = []
 
 
 def workspace_first_use(step: StepGraph, workspaces: list[int]) -> dict[int, list[int]]:
