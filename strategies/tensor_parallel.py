@@ -34,9 +34,11 @@ optimizer states and optimizer temporaries take the share of their parameter.
 
 Inference (``--mode inference --tp N``) follows transformers' own runtime instead (``from_pretrained(tp_plan="auto",
 tp_size=N)``, transformers 5.24 distributed/tensor_parallel.py): the same styles from the model's plan, the lm_head
-``colwise_gather_output``, but under ``no_grad`` a Linear runs on its local weight and a row-wise one all-reduces its
-partial output in place (``dist.all_reduce``), adding its bias afterwards into a new tensor. Each rank's KV cache
-holds its share of the key/value heads (``generation/utils.py`` sizes it by ``num_key_value_heads / tp``).
+``colwise_gather_output``, the token embedding vocabulary-parallel only where the plan names it
+(:func:`planned_embedding`: 5.24 adds it to every plan, 5.17 only with tied embeddings), but under ``no_grad`` a Linear
+runs on its local weight and a row-wise one all-reduces its partial output in place (``dist.all_reduce``), adding its
+bias afterwards into a new tensor. Each rank's KV cache holds its share of the key/value heads (``generation/utils.py``
+sizes it by ``num_key_value_heads / tp``).
 
 A ``log_softmax`` over a vocabulary-sliced input is ``loss_parallel()``'s vocabulary-parallel loss
 (torch/distributed/tensor/parallel/loss.py), whose slice-sized temporaries are added op by op: forward
@@ -141,7 +143,8 @@ class TensorParallel:
             )
             return (
                 f'transformers from_pretrained(tp_plan="auto", tp_size={self.degree}): the model\'s TP plan for the '
-                "decoder layers (row-wise outputs all-reduced in place), vocabulary-parallel embedding, lm_head "
+                "decoder layers (row-wise outputs all-reduced in place), the embedding vocabulary-parallel where "
+                "the plan names it (transformers 5.24 names it in every plan) and whole otherwise, lm_head "
                 "output gathered to the full vocabulary; each GPU caches its share of the key/value heads" + experts
             )
         loss = (
@@ -205,6 +208,7 @@ class TensorParallel:
             self.gathered_output,
             sequence,
             whole_experts=self.expert_parallel,
+            embedding_as_planned=self.inference,
         )
         if self.inference:
             plan = dataclasses.replace(plan, reduce_in_place=True)
@@ -220,6 +224,14 @@ def expert_rules(styles: Mapping[str, str]) -> dict[str, str]:
     """The rules of a plan for MoE layers' experts: each experts module's (``moe_tp_experts``) and its parameters'."""
     experts = [pattern for pattern, style in styles.items() if style == MOE_TP_EXPERTS]
     return {p: style for p, style in styles.items() if any(p == e or p.startswith(e + ".") for e in experts)}
+
+
+def planned_embedding(structure: ModelStructure) -> bool:
+    """Whether the model's own plan splits its token embedding over the vocabulary (``embedding_rowwise``)."""
+    return any(
+        style == EMBEDDING_ROWWISE and plan_pattern(pattern).fullmatch(structure.input_embedding)
+        for pattern, style in structure.tp_plan.items()
+    )
 
 
 def splits_key_heads(styles: Mapping[str, str]) -> bool:
@@ -283,9 +295,13 @@ def megatron_plan(
     gathered_output: bool,
     sequence_length: int | None = None,
     whole_experts: bool = False,
+    embedding_as_planned: bool = False,
 ) -> TpPlan:
     """transformers' own plan for the decoder layers (``_tp_plan``), with Megatron's vocabulary-parallel
-    embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With a
+    embedding and lm_head; the lm_head output stays sliced for ``loss_parallel()``, or is gathered. With
+    ``embedding_as_planned`` (transformers' runtime), the token embedding is vocabulary-parallel only where the model's
+    plan names it: transformers 5.24 adds it to every plan, 5.17 only with tied embeddings (configuration_utils.py),
+    and leaves it whole on every rank otherwise. With a
     ``sequence_length``, sequence parallelism as torchtitan lays it out: the embedding and the row-wise layers
     reduce-scatter into sequence slices, norms and residuals run on them (``SequenceParallel``), and the
     attention, the MLP (``PrepareModuleInput``) and the lm_head all-gather their input."""
@@ -320,7 +336,7 @@ def megatron_plan(
                 f"--tp: {structure.model_class}'s tensor-parallel plan splits {pattern} as {style!r}, which is "
                 f"not modelled (only {', '.join(DECODER_STYLES)} are); use --tp 1."
             )
-    if structure.input_embedding:
+    if structure.input_embedding and (not embedding_as_planned or planned_embedding(structure)):
         styles[structure.input_embedding] = EMBEDDING_ROWWISE
     if structure.output_embedding:
         styles[structure.output_embedding] = COLWISE_GATHER_OUTPUT if gathered_output else COLWISE
