@@ -1,16 +1,15 @@
 """Inference as ``model.generate()`` runs it: the prefill over the prompt, then the decode step with the cache at its
 longest, each under ``torch.no_grad()``, with the tensors generate() itself keeps.
 
-Follows transformers 5.24's ``GenerationMixin`` (generation/utils.py): ``generate`` makes the position ids from
-an all-ones attention mask and then drops the mask, as a prompt without padding needs none (5.17 keeps it, a
-batch x length int64 tensor more), passes ``logits_to_keep=1`` to models that take it, builds the logits
-processors with ``_get_logits_processor``, and makes the cache ``cache_implementation`` names
-(``_prepare_cache_for_generation``: a static one sized to ``max_length - 1``); ``_sample`` builds each forward's
-inputs with ``prepare_inputs_for_generation`` (a static cache's attention mask among them), copies the last
-position's logits to float32, runs the processors on them, takes the argmax (or, sampling, the softmax and
-``torch.multinomial``), appends the token to ``input_ids``, grows the kwargs with
-``_update_model_kwargs_for_generation`` and asks the stopping criteria. ``max_new_tokens`` tokens take that many
-forwards: the prefill gives the first.
+Follows transformers 5.24's ``GenerationMixin`` (generation/utils.py): ``generate`` makes the position ids from an
+all-ones attention mask and then drops the mask, as a prompt without padding needs none (5.17 keeps it, passes it to
+every forward and grows it by a column per token: :data:`DROPS_ALL_ONES_MASK`), passes ``logits_to_keep=1`` to models
+that take it, builds the logits processors with ``_get_logits_processor``, and makes the cache ``cache_implementation``
+names (``_prepare_cache_for_generation``: a static one sized to ``max_length - 1``); ``_sample`` builds each forward's
+inputs with ``prepare_inputs_for_generation`` (a static cache's attention mask among them), copies the last position's
+logits to float32, runs the processors on them, takes the argmax (or, sampling, the softmax and ``torch.multinomial``),
+appends the token to ``input_ids``, grows the kwargs with ``_update_model_kwargs_for_generation`` and asks the stopping
+criteria. ``max_new_tokens`` tokens take that many forwards: the prefill gives the first.
 
 The decode step traced is the last: before it, the cache and the growing ids are brought to what they hold then,
 without recording (the decode steps in between repeat the traced one with shorter tensors), so the decode peak
@@ -41,6 +40,11 @@ from tracer.training import TrainingSetup
 # The keyword generate() holds the cache under, in its kwargs and the model's outputs: ``cache`` from
 # transformers 5.24 (generation/utils.py ALL_CACHE_NAMES), ``past_key_values`` before.
 CACHE_KWARG = "cache" if "cache" in generation_utils.ALL_CACHE_NAMES else "past_key_values"
+# Whether generate() drops the all-ones attention mask of a prompt without padding once the position ids are made from
+# it: transformers 5.24 does, and records the mask's length in GenerationConfig._mask_length, which 5.17 does not
+# declare; 5.17 keeps the mask (batch x length int64) in its kwargs to the end, passes it to every forward and
+# _update_model_kwargs_for_generation appends a column of ones to it for each token.
+DROPS_ALL_ONES_MASK = "_mask_length" in getattr(GenerationConfig, "__annotations__", {})
 # A cache offloaded to the host prefetches the next layer back on a stream of its own (Cache.prefetch_stream)
 PREFETCH_STREAM = "cache prefetch"
 
@@ -70,9 +74,12 @@ class InferenceStep:
             for tensor in _made_with(cache):  # host tensors, which each layer copies to its GPU (lazy_initialization)
                 recorder.place(tensor, on_device=False)
         # generate()'s own kwargs, which it keeps until it returns (the prompt's position ids among them)
-        kwargs = {CACHE_KWARG: cache, "use_cache": True, "attention_mask": None}
+        mask = _prompt_mask(batch.input_ids) if parameters & {"attention_mask", "position_ids"} else None
+        kept = mask if "attention_mask" in parameters and not DROPS_ALL_ONES_MASK else None
+        kwargs = {CACHE_KWARG: cache, "use_cache": True, "attention_mask": kept}
         if "position_ids" in parameters:
-            kwargs["position_ids"] = _positions(batch.input_ids)
+            kwargs["position_ids"] = _positions(mask)
+        del mask
         if setup.logits_to_keep and "logits_to_keep" in parameters:
             kwargs["logits_to_keep"] = setup.logits_to_keep
         # generate() also passes the prompt as encoder_input_ids, to ask whether any id is negative (a value a trace
@@ -99,6 +106,8 @@ class InferenceStep:
                 recorder.track_created(state.ids, Role.INPUT, "generated ids")
                 if state.kwargs.get("position_ids") is not None:
                     recorder.track_created(state.kwargs["position_ids"], Role.INPUT, "position ids")
+                if state.kwargs.get("attention_mask") is not None:
+                    recorder.track_created(state.kwargs["attention_mask"], Role.INPUT, "attention mask")
             on_phase(Phase.DECODE)
             state.forward(1)
             _mark_cache(cache, recorder)
@@ -195,9 +204,13 @@ def generation_config(model: nn.Module, setup: TrainingSetup) -> GenerationConfi
     return config
 
 
-def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+def _prompt_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """``_prepare_attention_mask_for_generation`` for a prompt without padding (no pad token): all ones."""
+    return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+
+
+def _positions(attention_mask: torch.Tensor) -> torch.Tensor:
     """``_prepare_position_ids_for_generation`` over the all-ones mask of a prompt without padding."""
-    attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
     position_ids = attention_mask.long().cumsum(-1) - 1
     return position_ids.masked_fill(attention_mask == 0, 0)
 
