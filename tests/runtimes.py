@@ -10,7 +10,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from functools import partial
+from functools import cache, partial
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -59,6 +59,7 @@ from tracer.baseline import register_baseline
 from tracer.graph import build_graph
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure, plan_pattern
+from tracer.quantization import Linear4bit
 from tracer.random_scalars import RandomScalarAnswers
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, ResolvedModel
@@ -213,16 +214,47 @@ def fsdp2_peak(
     """``fully_shard`` on every decoder layer and on the root; fp32 model, or bf16 compute with fp32 reduce."""
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
     reshard = reshard_argument(reshard_after_forward)
+    integer_parameters_shard = fully_shard_takes_integer_parameters()
 
     with fake_process_group(world, rank):
         mesh: DeviceMesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode: it reads its ranks
 
         def parallelize(net: nn.Module) -> None:
+            if not integer_parameters_shard:
+                store_packed_in_compute_dtype(net)
             for block in decoder_blocks(net):
                 fully_shard(net.get_submodule(block), mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
             fully_shard(net, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
 
         return _peak_of_step(model, setup, parallelize)
+
+
+@cache
+def fully_shard_takes_integer_parameters() -> bool:
+    """Whether this torch's ``fully_shard`` shards a frozen integer parameter, such as bitsandbytes' packed 4-bit
+    weights in their default uint8 storage or LLM.int8()'s int8 ones, tried on one rank. torch 2.13 makes the sharded
+    parameter with the original's ``requires_grad``; 2.11 (``FSDPParam._init_sharded_param``) makes it requiring a
+    gradient first, which an integer tensor refuses (RuntimeError): there FSDP2 over QLoRA weights needs them stored
+    in a floating dtype, and over LLM.int8() weights, which have no such storage, does not run."""
+    probe = nn.Module()
+    probe.packed = nn.Parameter(torch.zeros(1, 1, dtype=torch.uint8), requires_grad=False)
+    with fake_process_group(1, 0):
+        try:
+            fully_shard(probe, mesh=init_device_mesh("cpu", (1,)))
+        except RuntimeError:
+            return False
+    return True
+
+
+def store_packed_in_compute_dtype(net: nn.Module) -> None:
+    """Each packed 4-bit weight stored in its layer's compute dtype, as the FSDP-QLoRA recipes of transformers and
+    peft set ``bnb_4bit_quant_storage``: the same bytes, in (numel + 1) // (2 * itemsize) rows of one element
+    (bitsandbytes' ``quantize_4bit``)."""
+    for module in net.modules():
+        if isinstance(module, Linear4bit):
+            dtype = module.compute_dtype
+            rows = (module.logical_weight_numel + 1) // (2 * dtype.itemsize)
+            module.weight = nn.Parameter(module.weight.new_empty((rows, 1), dtype=dtype), requires_grad=False)
 
 
 def tensor_parallelize(net: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> None:

@@ -108,7 +108,8 @@ def _dequantize_4bit(packed, absmax, offset, out_features: int, dtype: torch.dty
 
 
 def _empty_weight(packed: torch.Tensor, out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    in_features = packed.numel() * 2 // out_features
+    """The dequantized weight: two values per packed byte, whatever dtype stores the bytes (``quant_storage``)."""
+    in_features = packed.nbytes * 2 // out_features
     return torch.empty((out_features, in_features), dtype=dtype, device=packed.device)
 
 
