@@ -24,16 +24,27 @@ from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
 from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import _disable_current_modes
 
 from analysis.peak import find_peak, timeline
-from tracer.expert_parallel import DISPATCHED_EXPERTS, _matching, expert_weight, routing_of, shard_experts
+from tracer.expert_parallel import _experts_styles, _matching, expert_weight, routing_of, shard_experts
 from tracer.graph import StepGraph
 from tracer.resolve import ResolvedModel
 from tracer.training import TrainingSetup
+
+try:  # torch 2.13: shard_placement_fn may give a parameter a mesh of its own
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+except ImportError:
+    FSDPMeshInfo = ShardPlacementResult = None
+PER_PARAMETER_MESH = ShardPlacementResult is not None
+PER_PARAMETER_MESH_MISSING = (
+    f"torch {torch.__version__}'s fully_shard takes only a Shard from shard_placement_fn, not a mesh of the "
+    "parameter's own (ShardPlacementResult, torch 2.13): it cannot put a MoE layer's routed experts on the mesh of the "
+    "ranks holding them within the layer's unit, as torchtitan's apply_fsdp does and the estimate of --ep with "
+    "--zero 2/3 models"
+)
 
 
 class ProcessGroupExchange:
@@ -123,6 +134,8 @@ def expert_parallel_fsdp_step(
     ``imbalance`` times their share. With ``setup.mixed_precision``, torchtitan's ``MixedPrecisionPolicy(param_dtype,
     reduce_dtype=float32)`` over float32 weights instead of autocast; low-precision weights run without either (as
     the estimate's FSDP2 runs them)."""
+    if not PER_PARAMETER_MESH:
+        raise NotImplementedError(PER_PARAMETER_MESH_MISSING)
     mixed = setup.mixed_precision is not None and setup.dtype == "fp32"
     setup = dataclasses.replace(setup, mixed_precision=None)
     with fake_process_group(gpus, rank):
@@ -192,7 +205,7 @@ def _expert_parallel_model(
     shard_experts(net, degree, exchange=ProcessGroupExchange(group, coordinate))
     plan = net._ep_plan
     for pattern, style in plan.items():
-        if style == DISPATCHED_EXPERTS:
+        if style in _experts_styles(plan):  # transformers 5.17 names the experts modules moe_tp_experts
             for module in _matching(net, pattern):
                 _force(module, ids)
     with torch.no_grad():  # the local experts were made with new_empty
