@@ -178,12 +178,6 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
         )
     if method and setup.quantization:
         raise UserError(f"--quantization {setup.quantization}: this checkpoint is already quantized ({method}).")
-    if method in WNA16 and routed_experts(config):
-        raise UserError(
-            f"a {method.upper()} MoE checkpoint: vLLM's kernels for quantized experts (GPTQMarlinMoEMethod, "
-            "AWQMarlinMoEMethod, MoeWNA16) are not modelled. Pass a config.json without quantization_config to size "
-            "the 16-bit model."
-        )
     dtype = setup.dtype or _served_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

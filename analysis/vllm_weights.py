@@ -38,7 +38,7 @@ vllm/model_executor/):
   Marlin's one zero-point type, ``query_marlin_supported_quant_types``) and those group sizes, on sm80 or newer
   (``get_min_capability``). Other checkpoints run on the older ``gptq`` (ExLlama) and ``awq`` kernels and are refused
   here, as are AWQ's GEMV layouts (vLLM reads every AWQ checkpoint as GEMM-packed), GPTQ's ``dynamic`` per-module
-  overrides, a quantized lm_head and MoE experts (``GPTQMarlinMoEMethod``, ``AWQMarlinMoEMethod``, ``MoeWNA16``).
+  overrides and a quantized lm_head.
 * The kernel, layer by layer: ``choose_mp_linear_kernel`` (kernels/linear/__init__.py) takes the first of
   ``_POSSIBLE_KERNELS`` that can implement the fused layer's shape on the rank (kernels/linear/mixed_precision/):
   ``MacheteLinearKernel`` (sm90 exactly; group -1, 64 or 128; input features per rank a multiple of 64, output
@@ -66,6 +66,43 @@ vllm/model_executor/):
   (``maybe_update_config``), which a config does not carry: every linear layer of the decoder is counted quantized.
   ``dtype="auto"`` is the checkpoint's ``torch_dtype`` (``_get_and_verify_dtype``), float16 for most GPTQ and AWQ
   checkpoints; both methods take float16 or bfloat16 (``get_supported_act_dtypes``).
+
+MoE experts of a GPTQ or AWQ checkpoint (one ``FusedMoE`` per MoE layer, fused_moe/layer.py: ``local_num_experts``
+experts of ``hidden`` inputs and ``2 x inter`` gate/up outputs (w13), ``inter`` inputs and ``hidden`` outputs (w2),
+where ``inter = intermediate_size // tp``; ``intermediate_size_full`` is passed to ``GPTQMarlinMoEMethod`` for
+act-order):
+
+* The method: ``GPTQMarlinConfig.get_quant_method`` and ``AWQMarlinConfig.get_quant_method`` give a ``FusedMoE``
+  ``GPTQMarlinMoEMethod`` (gptq_marlin.py) or ``AWQMarlinMoEMethod`` (awq_marlin.py) when
+  ``check_moe_marlin_supports_layer`` (marlin_utils.py) holds: ``hidden % 128 == 0``, ``inter % max(64, group_size)
+  == 0`` and the router's weight not applied to the input (Llama 4's ``apply_router_weight_on_input``); otherwise
+  both fall back to ``MoeWNA16Method`` (moe_wna16.py), whatever the GPU. GPTQ's ``modules_in_block_to_quantize`` does
+  not reach the experts (only ``dynamic``, refused here); AWQ's ``modules_to_not_convert`` does (``is_layer_skipped``
+  on ``...mlp.experts``, substring): skipped experts are ``UnquantizedFusedMoEMethod``'s, in the served dtype.
+* ``GPTQMarlinMoEMethod`` keeps per layer and rank, after ``process_weights_after_loading``: ``w13_qweight`` and
+  ``w2_qweight`` repacked by ``gptq_marlin_moe_repack`` into the same ``experts x in x out x bits / 8`` bytes; the
+  scales ``w13_scales`` (``hidden / group`` rows of ``2 x inter``) and ``w2_scales`` (``inter / group`` rows of
+  ``hidden``, or ``intermediate_size_full / group`` with act-order: ``load_full_w2``), one row each per channel,
+  permuted in place of the loaded ones (``marlin_moe_permute_scales``, same shape), in the model dtype; the loaded
+  ``w13_qzeros``/``w2_qzeros`` as created, ``groups x out / pack`` in the model dtype (``params_dtype``, not int32),
+  never freed though a symmetric checkpoint's kernel does not read them; with act-order ``w13_g_idx``/``w2_g_idx``
+  sorted and their ``_sort_indices``, an int32 per input feature and expert each (``hidden`` and ``inter``), without it
+  empty tensors.
+* ``AWQMarlinMoEMethod``: the weights repacked (``awq_marlin_moe_repack``) into the same bytes; scales ``hidden /
+  group x 2 x inter`` and ``inter / group x hidden`` in the model dtype (split with the intermediate size); the zero
+  points repacked by ``moe_awq_to_marlin_zero_points`` into int32 tensors of the loaded shape (``groups x out /
+  pack``); empty sort indices, no ``g_idx``. It takes 4 bits only and a group size, not -1 (``hidden //
+  group_size`` would be negative).
+* ``MoeWNA16Method`` has no ``process_weights_after_loading``: it keeps what its loader writes, the weights as uint8
+  (``experts x out x in x bits / 8``), the scales in the model dtype and, for AWQ's zero points, uint8 zeros of
+  ``out x bits / 8`` rows, all with a group size halved until it divides ``inter`` and ``hidden`` (the loaded scales
+  repeated; ``assert group_size >= 32``, a group of -1 fails); GPTQ's ``g_idx`` and symmetric zeros are empty
+  (act-order is dropped: its loader skips ``g_idx``).
+* Both Marlin methods also allocate ``marlin_make_workspace_new(device, 4)``, four int32 per SM and layer (2,112
+  bytes on an H100's 132 SMs), not counted, as for the dense layers. ``fused_marlin_moe`` sizes its intermediate
+  caches as ``fused_experts`` does, so the profile run's MoE peak (analysis/vllm.py) is unchanged.
+* Expert parallelism (``--enable-expert-parallel``, not a flag here) would give each rank ``experts // ep`` experts
+  (one more on the first ``experts % ep``, ``determine_expert_map``) with the whole intermediate size.
 
 ``get_rope`` (rotary_embedding.py) adds one ``cos_sin_cache`` buffer per distinct rotary setup,
 ``max_position_embeddings x rotary_dim`` in the model's dtype, shared by every layer.
@@ -95,7 +132,15 @@ MACHETE_BLOCK = (64, 128)  # machete_utils.py: MACHETE_PREPACKED_BLOCK_SHAPE, in
 MARLIN_MIN_THREAD = (128, 64)  # marlin_utils.py: GPTQ_MARLIN_MIN_THREAD_K and _N, input and output features per rank
 HOPPER = (9, 0)  # MacheteLinearKernel.can_implement: is_device_capability(90)
 MIN_CAPABILITY = {"gptq": (7, 5), "awq": (8, 0)}  # Marlin's quant types from sm75; AWQMarlinConfig.get_min_capability
-INDEX_BYTES = 4  # g_idx, g_idx_sort_indices and Machete's perm are int32
+INDEX_BYTES = torch.int32.itemsize  # g_idx, g_idx_sort_indices and Machete's perm are int32
+WORD_BYTES = torch.int32.itemsize  # packed weights and zero points: int32 words of ``pack`` values
+BYTE_BYTES = torch.uint8.itemsize  # MoeWNA16Method packs its weights and zeros into uint8
+MOE_MARLIN_HIDDEN = 128  # check_moe_marlin_supports_layer: hidden % 128
+MOE_MARLIN_INTERMEDIATE = 64  # check_moe_marlin_supports_layer: intermediate per rank % max(64, group_size)
+MOE_WNA16_MIN_GROUP = 32  # MoeWNA16Method.create_weights: assert group_size >= 32 once halved
+MOE_METHODS = {"gptq": "GPTQMarlinMoEMethod", "awq": "AWQMarlinMoEMethod"}
+MOE_WNA16 = "MoeWNA16Method"
+ROUTER_WEIGHT_ON_INPUT = ("llama4", "llama4_text")  # Llama4MoE: FusedMoE(apply_router_weight_on_input=True)
 
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head|wte|word_embeddings|embed_in|embed_out)\.weight$")
 _KEY_VALUE = re.compile(r"\.(k_proj|v_proj)\.(weight|bias)$")
@@ -105,6 +150,7 @@ _COLUMN = re.compile(
 )
 _ROW = re.compile(r"\.(o_proj|down_proj|c_proj|fc2|w2|dense|dense_4h_to_h|out_proj)\.weight$")
 _EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_EXPERT_WEIGHTS = (".experts.gate_up_proj", ".experts.down_proj")  # transformers' fused 3-D experts
 _SINKS = re.compile(r"\.sinks$")
 _REPLICATED = re.compile(r"\.(gate|router|q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$")
 
@@ -141,6 +187,11 @@ class Wna16:
         if any(name in module for name in self.skipped):
             return False
         return self.quantized is None or any(name in module for name in self.quantized)
+
+    def quantizes_experts(self, module: str) -> bool:
+        """Whether the ``FusedMoE`` ``module`` (``...mlp.experts``) is quantized: GPTQ gives every one its MoE method
+        (``get_moe_quant_method``; only ``dynamic`` skips one), AWQ skips those ``modules_to_not_convert`` names."""
+        return not any(name in module for name in self.skipped)
 
 
 def wna16_format(config) -> Wna16:
@@ -209,10 +260,15 @@ def rank_weights(
     wna16 = wna16_format(config) if quantization in WNA16 else None
     fused: dict[str, _FusedLinear] = {}
     total = 0
+    experts: list[tuple[int, ...]] = []  # a GPTQ or AWQ checkpoint's quantized MoE layers: their gate_up shapes
     for name, parameter in model.named_parameters():
         if quantization == "mxfp4" and _EXPERTS.search(name):
             continue  # counted per layer below
         shape = tuple(parameter.shape)
+        if wna16 and name.endswith(_EXPERT_WEIGHTS) and wna16.quantizes_experts(name.rpartition(".")[0]):
+            if name.endswith(_EXPERT_WEIGHTS[0]):
+                experts.append(shape)  # the layer, counted below; its down_proj with it
+            continue
         if wna16 and name.endswith(".weight") and _quantized_linear(name) and wna16.quantizes(name[: -len(".weight")]):
             _fuse(fused, name, shape, tp, kv_heads)  # counted per fused layer below
             continue
@@ -228,6 +284,10 @@ def rank_weights(
         kernel = _wna16_kernel(wna16, layer, compute_capability)
         kernels[kernel] = kernels.get(kernel, 0) + 1
         total += _wna16_bytes(wna16, kernel, layer, _dtype(model).itemsize)
+    for shape in experts:
+        method, nbytes = _wna16_experts(wna16, config, shape, tp, _dtype(model).itemsize)
+        kernels[method] = kernels.get(method, 0) + 1
+        total += nbytes
     return RankWeights(total, _rotary_bytes(config, _dtype(model)), kernels)
 
 
@@ -309,13 +369,60 @@ def _wna16_bytes(fmt: Wna16, kernel: str, layer: _FusedLinear, dtype_bytes: int)
     group = in_features if fmt.group_size == -1 else fmt.group_size
     repeated = fmt.desc_act or (fmt.group_size == -1 and layer.row_parallel)  # marlin_repeat_scales_on_all_ranks
     rows = (in_features if repeated else in_rank) // group
-    packed_zeros = rows * out_rank // fmt.pack * 4  # int32 words
+    packed_zeros = rows * out_rank // fmt.pack * WORD_BYTES
     total = in_rank * out_rank * fmt.bits // 8 + rows * out_rank * dtype_bytes  # the weight and the scales
     if fmt.method == "awq":
         return total + (rows * out_rank * dtype_bytes if kernel == "MacheteLinearKernel" else packed_zeros)
     if kernel == "MacheteLinearKernel":  # the loaded qzeros and g_idx stay; act-order adds the permutation
         return total + packed_zeros + in_rank * INDEX_BYTES * (2 if fmt.desc_act else 1)
     return total + (2 * in_rank * INDEX_BYTES if fmt.desc_act else 0)  # Marlin: sorted g_idx and its indices
+
+
+def _wna16_experts(fmt: Wna16, config, gate_up: tuple[int, ...], tp: int, dtype_bytes: int) -> tuple[str, int]:
+    """One MoE layer's GPTQ or AWQ experts on one of ``tp`` ranks (``gate_up``: transformers' fused gate/up
+    parameter, experts first): the method vLLM 0.19 gives the ``FusedMoE`` and what it keeps (the module docstring
+    cites both)."""
+    experts, hidden = gate_up[0], config.hidden_size
+    full = gate_up[1] * gate_up[2] // hidden // 2  # intermediate_size_full
+    if full % tp:
+        raise UserError(
+            f"--tensor-parallel-size {tp} does not divide the experts' intermediate size {full}; vLLM asserts it "
+            "(FusedMoE: intermediate_size % tp_size == 0). Pick a degree that divides it."
+        )
+    inter, group, pack = full // tp, fmt.group_size, fmt.pack
+    marlin = (
+        hidden % MOE_MARLIN_HIDDEN == 0
+        and inter % max(MOE_MARLIN_INTERMEDIATE, group) == 0
+        and config.model_type not in ROUTER_WEIGHT_ON_INPUT
+    )
+    weights = experts * 3 * hidden * inter * fmt.bits // 8  # w13 (2 x inter outputs) and w2, packed or repacked
+    if marlin:
+        rows13 = 1 if group == -1 else hidden // group  # scales_size13
+        rows2 = 1 if group == -1 else (full if fmt.desc_act else inter) // group  # scales_size2 (load_full_w2)
+        scales = experts * (rows13 * 2 * inter + rows2 * hidden) * dtype_bytes
+        zero_words = experts * (rows13 * 2 * inter + rows2 * hidden) // pack
+        if fmt.method == "awq":  # moe_awq_to_marlin_zero_points: int32, the loaded shape
+            return MOE_METHODS["awq"], weights + scales + zero_words * WORD_BYTES
+        sorted_g_idx = experts * (hidden + inter) * 2 * INDEX_BYTES if fmt.desc_act else 0  # and the sort indices
+        return MOE_METHODS["gptq"], weights + scales + zero_words * dtype_bytes + sorted_g_idx  # qzeros: params_dtype
+    if group == -1:
+        raise UserError(
+            f"a {fmt.method.upper()} MoE layer Marlin's MoE kernel does not take ({hidden} hidden, {inter} "
+            "intermediate per rank) falls back to MoeWNA16Method, which cannot size per-channel scales (group_size -1) "
+            "and fails to load. Lower --tensor-parallel-size."
+        )
+    wna16_group = group
+    while inter % wna16_group or hidden % wna16_group:
+        wna16_group //= 2  # MoeWNA16Method.create_weights: the loaded scales repeated to fit
+    if wna16_group < MOE_WNA16_MIN_GROUP:
+        raise UserError(
+            f"a {fmt.method.upper()} MoE layer ({hidden} hidden, {inter} intermediate per rank) falls back to "
+            f"MoeWNA16Method, which needs a group size of at least {MOE_WNA16_MIN_GROUP} dividing both and asserts; "
+            "vLLM does not load it. Lower --tensor-parallel-size."
+        )
+    groups = experts * 3 * hidden * inter // wna16_group  # scale rows (2 x inter + hidden) x their groups
+    zeros = groups * fmt.bits // 8 * BYTE_BYTES if fmt.method == "awq" else 0  # AWQ's zero points as uint8
+    return MOE_WNA16, weights + groups * dtype_bytes + zeros
 
 
 def _mxfp4_experts_bytes(config, tp: int) -> int:

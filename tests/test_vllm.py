@@ -93,12 +93,12 @@ WNA16_SHAPE = dict(hidden_size=256, intermediate_size=512)
 HOPPER, AMPERE = (9, 0), (8, 0)
 
 
-def _wna16(quantization: dict, capability: tuple[int, int], tp: int = 1, **shape):
+def _wna16(quantization: dict, capability: tuple[int, int], tp: int = 1, family: str = "llama", **shape):
     """The quantized checkpoint's weights and the same model's in fp16, on one rank."""
     shape = shape or WNA16_SHAPE
     setup = VllmSetup(gpu_memory_bytes=GIB, dtype=torch.float16, tensor_parallel_size=tp, compute_capability=capability)
-    quantized = tiny_model("llama", quantization_config=quantization, **shape).config
-    return vllm_startup(quantized, setup).weights, vllm_startup(tiny_model("llama", **shape).config, setup).weights
+    quantized = tiny_model(family, quantization_config=quantization, **shape).config
+    return vllm_startup(quantized, setup).weights, vllm_startup(tiny_model(family, **shape).config, setup).weights
 
 
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
@@ -201,10 +201,70 @@ def test_quantized_checkpoints_not_modelled_are_refused(quantization, setup, fra
         vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB, **setup))
 
 
-def test_quantized_moe_checkpoint_is_refused():
-    config = tiny_model("mixtral", quantization_config=GPTQ).config
-    with pytest.raises(UserError, match="MoE checkpoint"):
-        vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB))
+MOE_SHAPE = dict(hidden_size=256, moe_intermediate_size=256, head_dim=64)  # four experts, two MoE layers
+EXPERTS_ONLY = {"gptq": {"modules_in_block_to_quantize": ["mlp.experts"]}, "awq": {"modules_to_not_convert": ["attn"]}}
+
+
+def _moe_experts(quantization: dict, tp: int = 1, **shape):
+    """One MoE layer's experts on one rank: fp16 bytes less the checkpoint's (attention left unquantized: GPTQ's
+    modules_in_block_to_quantize does not reach a FusedMoE, AWQ's modules_to_not_convert skips the attention)."""
+    quantization = EXPERTS_ONLY[quantization["quant_method"]] | quantization
+    weights, fp16 = _wna16(quantization, HOPPER, tp, family="qwen3_moe", **(MOE_SHAPE | shape))
+    return (fp16.parameter_bytes - weights.parameter_bytes) // 2, weights.kernels
+
+
+@pytest.mark.parametrize(
+    "quantization, tp, kept, kernels",
+    [
+        # GPTQMarlinMoEMethod: w13 (256 in x 2 x 256 out) and w2 (256 x 256) of 4 experts repacked at 4 bits, fp16
+        # scales of 2 groups (w13: 2 x 512, w2: 2 x 256), the loaded qzeros in fp16 (params_dtype), 8 to a word
+        (GPTQ, 1, 4 * 3 * 256 * 256 // 2 + 4 * (2 * 512 + 2 * 256) * 2 + 4 * (2 * 512 + 2 * 256) // 8 * 2,
+         {"GPTQMarlinMoEMethod": 2}),
+        # act-order at TP 2 (128 intermediate per rank): w2's scales and zeros keep all 256 / 128 rows
+        # (load_full_w2), g_idx sorted and its sort indices per expert (256 for w13, 128 for w2, int32)
+        (GPTQ | {"desc_act": True}, 2, 4 * 3 * 256 * 128 // 2 + 4 * (2 * 256 + 2 * 256) * 2
+         + 4 * (2 * 256 + 2 * 256) // 8 * 2 + 4 * (256 + 128) * 2 * 4, {"GPTQMarlinMoEMethod": 2}),
+        # AWQMarlinMoEMethod: the zero points repacked into int32 words of the loaded shape
+        (AWQ, 1, 4 * 3 * 256 * 256 // 2 + 4 * (2 * 512 + 2 * 256) * 2 + 4 * (2 * 512 + 2 * 256) // 8 * 4,
+         {"AWQMarlinMoEMethod": 2}),
+        # TP 4: 64 intermediate per rank is not a multiple of max(64, 128), so MoeWNA16Method: uint8-packed weights,
+        # groups halved to 64 (scales repeated), fp16 scales of 3 x 256 x 64 / 64 per expert
+        (GPTQ, 4, 4 * 3 * 256 * 64 // 2 + 4 * 3 * 256 * 2, {"MoeWNA16Method": 2}),
+        # and AWQ's zero points as uint8, half a byte per group and output
+        (AWQ, 4, 4 * 3 * 256 * 64 // 2 + 4 * 3 * 256 * 2 + 4 * 3 * 256 // 2, {"MoeWNA16Method": 2}),
+    ],
+)  # fmt: skip
+def test_gptq_and_awq_experts_as_vllm_keeps_them(quantization, tp, kept, kernels):
+    """A GPTQ or AWQ MoE layer per rank after vLLM 0.19's process_weights_after_loading, by hand from the rules
+    analysis/vllm_weights.py cites (its intermediate size split over the ranks); the router stays in fp16."""
+    saved, used = _moe_experts(quantization, tp)
+    assert saved == 4 * 3 * 256 * 256 // tp * 2 - kept
+    assert used == kernels
+
+
+def test_awq_experts_named_in_modules_to_not_convert_stay_16_bit():
+    saved, used = _moe_experts(AWQ | {"modules_to_not_convert": ["attn", "experts"]})
+    assert saved == 0 and used == {}
+
+
+def test_quantized_moe_layouts_vllm_does_not_load_are_refused():
+    """MoeWNA16Method, the fallback, asserts a group of at least 32 dividing the intermediate size per rank (48 at
+    TP 2) and cannot size per-channel scales; the experts' intermediate size must divide by the degree."""
+    for quantization, tp, shape, fragment in (
+        (GPTQ, 2, {"moe_intermediate_size": 96}, "group size of at least 32"),
+        (GPTQ | {"group_size": -1}, 4, {"moe_intermediate_size": 96}, "per-channel scales"),
+        (AWQ, 4, {"moe_intermediate_size": 258}, "does not divide the experts' intermediate size 258"),
+    ):
+        with pytest.raises(UserError, match=re.escape(fragment)):
+            _moe_experts(quantization, tp, **shape)
+
+
+def test_serve_sizes_a_gptq_moe_checkpoint(tmp_path, capsys):
+    """The whole checkpoint: attention on Machete, the experts on Marlin's MoE method, the router in fp16."""
+    path = _config_file(tmp_path, family="qwen3_moe", quantization_config=GPTQ, **MOE_SHAPE)
+    code, out, _ = _run(capsys, "serve", str(path), "--gpu-memory", "1GiB", "--json")
+    assert code == 0
+    assert json.loads(out)["weight_kernels"] == {"MacheteLinearKernel": 4, "GPTQMarlinMoEMethod": 2}
 
 
 def test_serve_sizes_a_gptq_checkpoint_on_the_gpus_kernels(tmp_path, capsys):
