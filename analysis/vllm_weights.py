@@ -35,10 +35,10 @@ vllm/model_executor/):
   whose ``bits`` and ``sym`` are (4, true) or (8, true), whose ``group_size`` is -1, 32, 64 or 128
   (``MARLIN_SUPPORTED_GROUP_SIZES``, layers/quantization/utils/marlin_utils.py) and which states ``desc_act``;
   ``AWQMarlinConfig.is_awq_marlin_compatible`` (awq_marlin.py) an ``awq`` one of 4 bits with ``zero_point`` (uint4 is
-  Marlin's one zero-point type, ``query_marlin_supported_quant_types``) and those group sizes, on sm80 or newer
-  (``get_min_capability``). Other checkpoints run on the older ``gptq`` (ExLlama) and ``awq`` kernels and are refused
-  here, as are AWQ's GEMV layouts (vLLM reads every AWQ checkpoint as GEMM-packed), GPTQ's ``dynamic`` per-module
-  overrides and a quantized lm_head.
+  Marlin's one zero-point type, ``query_marlin_supported_quant_types``) and those group sizes; both on sm75 or
+  newer (``get_min_capability``). Other checkpoints run on the older ``gptq`` (ExLlama) and ``awq`` kernels and are
+  refused here, as are AWQ's GEMV layouts (vLLM reads every AWQ checkpoint as GEMM-packed), GPTQ's ``dynamic``
+  per-module overrides and a quantized lm_head.
 * The kernel, layer by layer: ``choose_mp_linear_kernel`` (kernels/linear/__init__.py) takes the first of
   ``_POSSIBLE_KERNELS`` that can implement the fused layer's shape on the rank (kernels/linear/mixed_precision/):
   ``MacheteLinearKernel`` (sm90 exactly; group -1, 64 or 128; input features per rank a multiple of 64, output
@@ -131,7 +131,7 @@ MACHETE_GROUP_SIZES = (-1, 64, 128)  # machete_utils.py: query_machete_supported
 MACHETE_BLOCK = (64, 128)  # machete_utils.py: MACHETE_PREPACKED_BLOCK_SHAPE, input and output features per rank
 MARLIN_MIN_THREAD = (128, 64)  # marlin_utils.py: GPTQ_MARLIN_MIN_THREAD_K and _N, input and output features per rank
 HOPPER = (9, 0)  # MacheteLinearKernel.can_implement: is_device_capability(90)
-MIN_CAPABILITY = {"gptq": (7, 5), "awq": (8, 0)}  # Marlin's quant types from sm75; AWQMarlinConfig.get_min_capability
+MIN_CAPABILITY = (7, 5)  # GPTQMarlinConfig's and AWQMarlinConfig's get_min_capability; Marlin's quant types from sm75
 INDEX_BYTES = torch.int32.itemsize  # g_idx, g_idx_sort_indices and Machete's perm are int32
 WORD_BYTES = torch.int32.itemsize  # packed weights and zero points: int32 words of ``pack`` values
 BYTE_BYTES = torch.uint8.itemsize  # MoeWNA16Method packs its weights and zeros into uint8
@@ -331,10 +331,10 @@ def _fuse(fused: dict[str, _FusedLinear], name: str, shape: tuple[int, ...], tp:
 def _wna16_kernel(fmt: Wna16, layer: _FusedLinear, capability: tuple[int, int]) -> str:
     """The kernel vLLM 0.19 runs ``layer`` on (the module docstring cites the rules), by the name its log prints."""
     in_rank, out_rank, group = layer.in_rank, layer.out_rank, fmt.group_size
-    if capability < MIN_CAPABILITY[fmt.method]:
+    if capability < MIN_CAPABILITY:
         raise UserError(
             f"{fmt.method.upper()} on sm{capability[0]}{capability[1]}: vLLM's Marlin kernels need sm"
-            f"{''.join(map(str, MIN_CAPABILITY[fmt.method]))} or newer; pick another --gpu."
+            f"{''.join(map(str, MIN_CAPABILITY))} or newer; pick another --gpu."
         )
     whole_groups = group == -1 or in_rank % group == 0
     marlin = in_rank % MARLIN_MIN_THREAD[0] == 0 and out_rank % MARLIN_MIN_THREAD[1] == 0 and whole_groups

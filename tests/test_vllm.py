@@ -189,7 +189,7 @@ def test_awq_layer_marlin_refuses_falls_back_to_the_awq_kernel():
         (GPTQ | {"dynamic": {"-:.*mlp.*": {}}}, {}, "dynamic per-module overrides"),
         (AWQ | {"version": "gemv"}, {}, "GEMM-packed"),
         (AWQ | {"zero_point": False}, {}, "older awq kernels"),
-        (AWQ, {"compute_capability": (7, 5)}, "need sm80"),
+        (AWQ, {"compute_capability": (7, 0)}, "need sm75"),
         (GPTQ, {"compute_capability": AMPERE, "tensor_parallel_size": 4}, "neither Machete nor Marlin"),
         ({"quant_method": "bitsandbytes"}, {}, "published quantized (bitsandbytes)"),
         (GPTQ, {"quantization": "fp8"}, "already quantized"),
