@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -271,6 +272,8 @@ def as_eager() -> Iterator[None]:
         ):
             if hasattr(masking_utils, name):  # both are recent (transformers 5.x)
                 stack.enter_context(patch.object(masking_utils, name, replacement))
+        for patched in _eager_recurrent_mask_answer():
+            stack.enter_context(patched)
         yield
 
 
@@ -301,6 +304,39 @@ def _eager_padding_answers() -> list[tuple[str, Callable]]:
             return ignore(held[1], *args, **kwargs)
 
     return [("prepare_padding_mask", prepared), ("_ignore_causal_mask_sdpa", ignored)]
+
+
+def _eager_recurrent_mask_answer() -> list[AbstractContextManager]:
+    """The question linear-attention layers' mask asks (``create_recurrent_attention_mask``): whether a 2-D attention
+    mask over more than one new token holds only ones, in which case eager skips the masking. The one such mask a
+    trace passes is generate()'s own for a prompt without padding, which transformers 5.17 keeps (tracer/inference.py):
+    ones, so the question is asked of the fake mask (its comparison and reduction allocate as in eager) and answered
+    as eager answers it. The function is also held by the models, bound by name at import, and by the table of mask
+    functions ``create_masks_for_generate`` reads: each is given this one, which hands anything but a fake mask to
+    transformers' own."""
+    name = "create_recurrent_attention_mask"
+    recurrent = getattr(masking_utils, name, None)
+    if recurrent is None:
+        return []
+
+    def answered(config, inputs_embeds, attention_mask=None, *args, **kwargs):
+        if not isinstance(attention_mask, FakeTensor) or attention_mask.ndim != 2 or inputs_embeds.shape[1] == 1:
+            return recurrent(config, inputs_embeds, attention_mask, *args, **kwargs)
+        torch.all(attention_mask == 1)
+        return None
+
+    holders = [masking_utils] + [
+        module
+        for module_name, module in list(sys.modules.items())
+        if module_name.startswith("transformers.models.") and vars(module).get(name) is recurrent  # no lazy import
+    ]
+    patches = [patch.object(module, name, answered) for module in holders]
+    tables = [getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})]
+    tables += [table for table in tables[0].values() if isinstance(table, dict)]  # the hybrid patterns' own
+    for table in tables:
+        held = {pattern: answered for pattern, function in table.items() if function is recurrent}
+        patches += [patch.dict(table, held)] if held else []
+    return patches
 
 
 def traced_micro_steps(setup: TrainingSetup) -> int:
