@@ -109,9 +109,31 @@ class _Stamp:
     # Which layer each op and storage belongs to.
 
     def _op_layers(self) -> dict[int, int | None]:
-        return {
+        layers = {
             op.index: None if op.phase is Phase.OPTIMIZER else self.blocks.layer_of(op.module) for op in self.source.ops
         }
+        self._place_empty_markers(layers)
+        return layers
+
+    def _place_empty_markers(self, layers: dict[int, int | None]) -> None:
+        """A forward op of no layer that makes only empty tensors belongs to the layer that runs next: torch 2.11's
+        non-reentrant checkpoint makes two (its ``dummy`` and ``_NoopSaveInputs``' output, ``torch.empty((0,))``, in
+        ``_checkpoint_without_reentrant_generator``) before the checkpointed layer's module is entered."""
+        pending: list[int] = []
+        for op in self.source.ops:
+            layer = layers[op.index]
+            if layer is not None:
+                for index in pending:
+                    layers[index] = layer
+                pending = []
+            elif self._makes_only_empty_tensors(op):
+                pending.append(op.index)
+            else:
+                pending = []
+
+    def _makes_only_empty_tensors(self, op: Op) -> bool:
+        storages = self.source.storages
+        return op.phase is Phase.FORWARD and bool(op.outputs) and all(storages[s].nbytes == 0 for s in op.outputs)
 
     def _owner(self, storage: Storage) -> int | None:
         """The layer a storage belongs to: the layer of the op that made it, else of the parameter it
