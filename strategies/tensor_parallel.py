@@ -53,7 +53,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from functools import cached_property
+from functools import cache, cached_property
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from strategies.collectives import recorded
@@ -169,6 +170,13 @@ class TensorParallel:
                 "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Phi-3, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next); use "
                 "--tp 1."
             )
+        vocab = getattr(config, "vocab_size", None)
+        if self.inference and vocab and vocab % self.degree and not gathers_uneven_outputs():
+            raise UserError(
+                f"--tp {self.degree} at inference: this transformers refuses to gather the lm_head's {vocab} outputs "
+                f"over {self.degree} GPUs that do not divide them (ColwiseParallel.validate_param; transformers 5.24 "
+                f"gives the last GPU a shorter slice). Use a --tp dividing {vocab}, or a newer transformers."
+            )
         if splits_key_heads(plan):
             heads = config.num_attention_heads
             kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -224,6 +232,22 @@ def expert_rules(styles: Mapping[str, str]) -> dict[str, str]:
     """The rules of a plan for MoE layers' experts: each experts module's (``moe_tp_experts``) and its parameters'."""
     experts = [pattern for pattern, style in styles.items() if style == MOE_TP_EXPERTS]
     return {p: style for p, style in styles.items() if any(p == e or p.startswith(e + ".") for e in experts)}
+
+
+@cache
+def gathers_uneven_outputs() -> bool:
+    """Whether transformers' tensor parallelism gathers a column-wise output its ranks do not divide (5.24: the last
+    rank's slice is shorter), asked of its ``colwise_gather_output`` style for a layer of 3 outputs over 2 ranks;
+    5.17's ``ColwiseParallel.validate_param`` refuses it (ValueError) before loading the weights."""
+    from torch import nn
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    two_ranks = SimpleNamespace(size=lambda: 2)
+    try:
+        ALL_PARALLEL_STYLES[COLWISE_GATHER_OUTPUT].validate_param(nn.Linear(2, 3, device="meta"), "weight", two_ranks)
+    except ValueError:
+        return False
+    return True
 
 
 def planned_embedding(structure: ModelStructure) -> bool:
