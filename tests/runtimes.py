@@ -57,10 +57,10 @@ from strategies.tensor_parallel import (
 )
 from tracer.baseline import register_baseline
 from tracer.graph import build_graph
+from tracer.known_values import KnownValues
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, decoder_blocks, model_structure, plan_pattern
 from tracer.quantization import Linear4bit
-from tracer.random_scalars import RandomScalarAnswers
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model, ResolvedModel
 from tracer.roles import Phase, Role
@@ -116,7 +116,7 @@ def _peak_of_step(
     with (
         FakeTensorMode(),
         MetaFixes(),
-        RandomScalarAnswers(),
+        KnownValues(),
         as_eager(),
         patch.object(_sharding_prop, "detect_fake_mode", lambda *args: None),
         patch.object(DeviceMesh, "_concatenate", staticmethod(_real_mesh(DeviceMesh._concatenate))),

@@ -90,3 +90,49 @@ def test_peak_inside_the_layers(family, options):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "bloom"])
 def test_eager_attention(family):
     check(family, SHAPES["b2-s32"], dict(attn="eager", mixed_precision="bf16"))
+
+
+# RoPE variants whose frequencies depend on the positions: the real run branches on ``torch.max(position_ids) + 1``
+# (tracer/known_values.py), and the trace must take the same branch. Longrope (Phi-3, Phi-4-mini) uses its short
+# factors up to original_max_position_embeddings (32 here) and its long ones beyond; dynamic NTK regrows its
+# frequencies past max_position_embeddings (32 here). The positions below, at the prompt and after generating,
+# lie on either side and across.
+LONGROPE = dict(
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.1, 1.2, 1.3],
+        "long_factor": [2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7],
+        "original_max_position_embeddings": 32,
+    },
+    original_max_position_embeddings=32,
+    max_position_embeddings=128,
+)
+DYNAMIC_NTK = dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32)
+ROPE = {"longrope": ("phi3", LONGROPE), "dynamic": ("llama", DYNAMIC_NTK)}
+# generate() also makes a few scalars the trace does not repeat (tests/test_inference.py's tolerance)
+GENERATE_TOLERANCE = 0.01
+
+
+@pytest.mark.parametrize("seq_len", [24, 48])
+@pytest.mark.parametrize("rope", list(ROPE))
+def test_rope_that_branches_on_positions_in_training(rope, seq_len):
+    family, overrides = ROPE[rope]
+    model = tiny_model(family, **overrides)
+    setup = TrainingSetup(batch_size=2, seq_len=seq_len, target=Target.CPU)
+    estimate, measured = analyze(model, setup), measure(model, setup)
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= TOLERANCE * measured.peak_bytes
+
+
+# (prompt, new tokens): below the threshold throughout, above it from the prompt on, and (dynamic NTK only) crossing
+# it while decoding. transformers 5.24's Phi-3 generate() drops the cache and runs the whole sequence again at the
+# token that crosses original_max_position_embeddings, which the trace does not follow (docs/limits.md).
+@pytest.mark.parametrize(
+    ("rope", "prompt", "new_tokens"),
+    [("longrope", 24, 8), ("longrope", 40, 8), ("dynamic", 16, 8), ("dynamic", 28, 8), ("dynamic", 40, 8)],
+)
+def test_rope_that_branches_on_positions_in_generate(rope, prompt, new_tokens):
+    family, overrides = ROPE[rope]
+    model = tiny_model(family, **overrides)
+    setup = TrainingSetup(batch_size=2, seq_len=prompt, max_new_tokens=new_tokens, target=Target.CPU, mode="inference")
+    estimate, measured = analyze(model, setup), measure(model, setup)
+    assert abs(estimate.peak_bytes - measured.peak_bytes) <= GENERATE_TOLERANCE * measured.peak_bytes

@@ -37,6 +37,7 @@ from tracer.errors import UserError
 from tracer.expert_parallel import AssumedExchange, routing_of, shard_experts
 from tracer.gpus import find_gpu
 from tracer.inference import InferenceStep, describe_generation
+from tracer.known_values import KnownValues
 from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
 from tracer.modules import ModuleScope, count_parameters, decoder_blocks, model_structure
@@ -48,7 +49,6 @@ from tracer.published import (
     quant_method,
     track_published,
 )
-from tracer.random_scalars import RandomScalarAnswers
 from tracer.recorder import StepRecorder
 from tracer.resolve import Model
 from tracer.roles import Phase, Role
@@ -171,7 +171,7 @@ def _record(
         traced_errors(model.model_id),
         FakeTensorMode(),
         MetaFixes(),
-        RandomScalarAnswers(),
+        KnownValues(),
         as_eager(),
         emulation or nullcontext(),
     ):
