@@ -43,11 +43,11 @@ SAMPLE_COMPARISONS = (aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Sc
 
 # Factories whose values follow from their Python-number arguments.
 FACTORIES = {aten.arange, aten.full, aten.ones, aten.zeros, aten.scalar_tensor}
+# torch.tensor(constant): the constant, a real tensor, lifted into the fake mode.
+CONSTANTS = {aten.lift_fresh, aten.lift_fresh_copy}
 # Ops computed on real values when every tensor argument is known (their out= and in-place overloads are not:
 # an in-place write forgets what it overwrites). Views of a known tensor are known whatever the view op.
 VALUE_OPS = {
-    aten.lift_fresh,
-    aten.lift_fresh_copy,
     aten.clone,
     aten._to_copy,
     aten.max,
@@ -135,9 +135,25 @@ class KnownValues(TorchDispatchMode):
             if answer is not None:
                 with _disable_current_modes():
                     self._keep(out, torch.tensor(answer))
-        elif func.is_view or func.overloadpacket in FACTORIES or func.overloadpacket in VALUE_OPS:
+        elif self._may_know(func, (*args, *kwargs.values())):
             self._follow(func, args, kwargs, out)
         return out
+
+    def _may_know(self, func: torch._ops.OpOverload, arguments: tuple) -> bool:
+        """Whether ``func``'s output may be known: a factory's or a constant's, or a view's or value op's that reads
+        a known tensor (directly or in a list). The cheap test that spares most ops of a step the walk over their
+        arguments."""
+        if func.overloadpacket in FACTORIES or func.overloadpacket in CONSTANTS:
+            return True
+        if not (func.is_view or func.overloadpacket in VALUE_OPS):
+            return False
+        for arg in arguments:
+            if isinstance(arg, torch.Tensor):
+                if arg in self._values:
+                    return True
+            elif isinstance(arg, list | tuple) and any(isinstance(a, torch.Tensor) and a in self._values for a in arg):
+                return True
+        return False
 
     def _follow(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out) -> None:
         """Compute ``func`` on the real values of its arguments, where every tensor among them is known."""
@@ -149,7 +165,7 @@ class KnownValues(TorchDispatchMode):
         def real(value):
             nonlocal unknown
             if isinstance(value, torch.Tensor):
-                if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy) and not _is_fake(value):
+                if func.overloadpacket in CONSTANTS and not _is_fake(value):
                     return value  # torch.tensor(constant): the constant itself
                 if value not in self._values:
                     unknown = True
@@ -163,7 +179,7 @@ class KnownValues(TorchDispatchMode):
             return
         with _disable_current_modes():
             values = [t for t in tree_flatten(func(*real_args, **real_kwargs))[0] if isinstance(t, torch.Tensor)]
-            if func.overloadpacket in (aten.lift_fresh, aten.lift_fresh_copy):
+            if func.overloadpacket in CONSTANTS:
                 values = [t.clone() for t in values]
         for fake, value in zip(outputs, values, strict=True):
             self._keep(fake, value)
