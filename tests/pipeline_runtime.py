@@ -119,8 +119,10 @@ def _as_a_real_run() -> Iterator[None]:
 
 
 def _receive_buffers(stage: PipelineStage) -> Iterator[torch.Tensor]:
+    """The stage's receive buffers. The first stage's model inputs are placeholders, without a buffer before torch
+    2.13 (``_RootArgPlaceholder``) and with ``buffer=None`` from it."""
     for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
-        yield from (info.buffer for info in infos if info.buffer is not None)
+        yield from (info.buffer for info in infos if getattr(info, "buffer", None) is not None)
 
 
 class _LocalStorageRecorder(StepRecorder):
