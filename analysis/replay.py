@@ -130,7 +130,8 @@ def replay_step(
     for measured in (False, True):
         if measured:
             # existed before the step, freed in the warm-up's (a workspace comes back at its first matmul)
-            for storage_id in [s for s in sizes if step.storages[s].producer is None and s not in live.keys() | late]:
+            present = live.keys() | late
+            for storage_id in [s for s in sizes if step.storages[s].producer is None and s not in present]:
                 allocate(storage_id, 0, measured=False)
             allocator.reset_peak()
             if observer is not None:
