@@ -78,7 +78,7 @@ class OutOfMemory(Exception):
         self.reserved = reserved
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Block:
     address: int
     size: int
@@ -93,7 +93,7 @@ class Block:
         return (self.size, self.address)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Segment:
     address: int
     small: bool
@@ -122,12 +122,16 @@ class _Pool:
         self.blocks[block.key] = block
 
     def remove(self, block: Block) -> None:
-        del self.keys[bisect.bisect_left(self.keys, block.key)]
-        del self.blocks[block.key]
+        key = block.key
+        del self.keys[bisect.bisect_left(self.keys, key)]
+        del self.blocks[key]
 
-    def best_fit(self, size: int) -> Block | None:
+    def take_best_fit(self, size: int) -> Block | None:
+        """Remove and return the smallest block of at least ``size`` bytes, the lowest-addressed of that size."""
         position = bisect.bisect_left(self.keys, (size, -1))
-        return self.blocks[self.keys[position]] if position < len(self.keys) else None
+        if position == len(self.keys):
+            return None
+        return self.blocks.pop(self.keys.pop(position))
 
 
 class CachingAllocator:
@@ -175,24 +179,23 @@ class CachingAllocator:
             return None
         size = block_size(nbytes)
         small = size <= SMALL_SIZE
-        pool = self._pool(small, stream)
-        block = pool.best_fit(size)
-        if block is not None:
-            pool.remove(block)
-        else:
+        pool = self._pools.get((small, stream)) or self._pool(small, stream)
+        block = pool.take_best_fit(size)
+        if block is None:
             block = self._new_block(size, small, stream)
         block = self._split(block, size, pool)
         block.allocated = True
         block.requested = nbytes
         self.allocated += block.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        if self.allocated > self.peak_allocated:
+            self.peak_allocated = self.allocated
         return block
 
     def free(self, block: Block) -> None:
         block.allocated = False
         self.allocated -= block.size
         segment = block.segment
-        pool = self._pool(segment.small, segment.stream)
+        pool = self._pools[segment.small, segment.stream]
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.allocated and self._in_pool(neighbour, pool):
                 pool.remove(neighbour)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from analysis.allocator import block_size
 from tracer.graph import StepGraph, StorageRow
@@ -14,8 +14,7 @@ def holds_memory(row: StorageRow) -> bool:
     return row.producer is None or row.freed_after is None or row.freed_after >= row.producer
 
 
-@dataclass(frozen=True)
-class Lifetime:
+class Lifetime(NamedTuple):  # a tuple: the passes make one per storage, each time they read a step
     storage_id: int
     first: int  # first op index at which the storage is allocated
     last: int  # last op index at which it is still allocated (it is freed right after)

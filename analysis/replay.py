@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import repeat
 
 from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
 from analysis.cudagraphs import CUDA_GRAPH_POOL, CompiledDecode, compiled_span, writes_in_place
@@ -126,6 +127,14 @@ def replay_step(
 
     for storage_id in before:
         allocate(storage_id, 0, measured=False)
+    # Each op's allocations (first uses, creations, workspaces: those not live yet) and frees, in one table: the
+    # replay visits only the ops that have any, or that a compiled call's warm-up runs.
+    schedule = {
+        index: (first_use.get(index, ()), created.get(index, ()), after_op.get(index, ()), released.get(index, ()))
+        for index in sorted(first_use.keys() | created.keys() | after_op.keys() | released.keys())
+    }
+    visited = sorted(schedule.keys() | set(graphs.span)) if graphs is not None else list(schedule)
+    nothing = ((), (), (), ())
     allocated_at: list[int] = []
     for measured in (False, True):
         if measured:
@@ -137,31 +146,35 @@ def replay_step(
             if observer is not None:
                 for storage_id, block in live.items():
                     observer(-1, storage_id, block, True)
-        for op in step.ops:
-            warming_up = graphs is not None and not measured and op.index in graphs.span
-            if warming_up and op.index == graphs.span.start:
+        for index in visited:
+            used, made, after, freed = schedule.get(index, nothing)
+            if measured:  # the ops since the last visited one, which allocate and free nothing, held what it left
+                allocated_at.extend(repeat(allocator.allocated, index - len(allocated_at)))
+            warming_up = graphs is not None and not measured and index in graphs.span
+            if warming_up and index == graphs.span.start:
                 graphs.start(allocator, [s for s in live if step.storages[s].role is Role.WORKSPACE], release)
-            for storage_id in first_use.get(op.index, ()):
+            for storage_id in used:
                 if storage_id not in live:
-                    allocate(storage_id, op.index, measured)
-            for storage_id in created.get(op.index, ()):
-                allocate(storage_id, op.index, measured)
-            for storage_id in after_op.get(op.index, ()):
+                    allocate(storage_id, index, measured)
+            for storage_id in made:
+                allocate(storage_id, index, measured)
+            for storage_id in after:
                 if storage_id not in live:
-                    allocate(storage_id, op.index, measured)
+                    allocate(storage_id, index, measured)
             if warming_up:
-                graphs.launch(allocator, op)
+                graphs.launch(allocator, step.ops[index])
             if measured:
                 allocated_at.append(allocator.allocated)
-            for storage_id in released.get(op.index, ()):
-                release(storage_id, op.index, measured)
-            if warming_up and op.index == graphs.span.stop - 1:
+            for storage_id in freed:
+                release(storage_id, index, measured)
+            if warming_up and index == graphs.span.stop - 1:
                 graphs.stop(allocator)
         if graphs is not None and not measured:  # the recording's torch.cuda.graph empties the cache again
             allocator.empty_cache(keep_streams=frozenset({graphs.pool}))
         if not measured:  # what the warm-up made that outlives it is replaced by the next step's
             for storage_id in [s for s in live if step.storages[s].producer is not None]:
                 release(storage_id, len(step.ops), measured=False)
+    allocated_at.extend(repeat(allocator.allocated, len(step.ops) - len(allocated_at)))
     peak_op = max(range(len(allocated_at)), key=allocated_at.__getitem__) if allocated_at else 0
     return AllocatorReplay(
         allocated_at=allocated_at,

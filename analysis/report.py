@@ -7,6 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from analysis.liveness import lifetimes
@@ -20,6 +21,7 @@ from tracer.units import format_bytes, format_count
 
 TOP_GROUPS = 8
 _LAYER_INDEX = re.compile(r"\.\d+(?=\.|$)")
+PHASE_NUMBER = {phase: number for number, phase in enumerate(Phase)}
 
 
 @dataclass
@@ -130,11 +132,12 @@ def build_report(
     kind: str = "estimate",
 ) -> MemoryReport:
     op = step.ops[peak.index]
+    phases = np.fromiter((PHASE_NUMBER[o.phase] for o in step.ops), dtype=np.int64, count=len(step.ops))
     phase_peaks = {}
     for phase in Phase:
-        totals = [line.total(o.index) for o in step.ops if o.phase is phase]
-        if totals:
-            phase_peaks[phase.value] = max(totals)
+        totals = line.totals[phases == PHASE_NUMBER[phase]]
+        if totals.size:
+            phase_peaks[phase.value] = int(totals.max())
     return MemoryReport(
         model_id=model_id,
         setup=setup,
