@@ -295,15 +295,18 @@ def _search_all(
 ) -> list[Outcome]:
     """Each candidate's outcome, the steps it reads traced first."""
     pairs = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
+    # the longest first (more micro-steps, then more sequences), so that no process is left with one at the end
+    pairs.sort(key=lambda pair: (traced_micro_steps(pair[0].setup), pair[1]), reverse=True)
     tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
-    on_progress(tracing, 0, len(pairs))
-    traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
-    for done, (index, trace) in enumerate(traced):
-        source, batch = pairs[index]
-        source.add_trace(batch, trace)
-        on_progress(tracing, done + 1, len(pairs))
     outcomes: list[Outcome | None] = [None] * len(chosen)
-    with _traces_frozen():
+    with _collector_quiet():
+        on_progress(tracing, 0, len(pairs))
+        traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
+        for done, (index, trace) in enumerate(traced):
+            source, batch = pairs[index]
+            source.add_trace(batch, trace)
+            on_progress(tracing, done + 1, len(pairs))
+        gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
         searched = _in_processes(
             lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
         )
@@ -396,12 +399,12 @@ class _Search:
 
 
 @contextmanager
-def _traces_frozen() -> Iterator[None]:
-    """Keep the garbage collector from scanning the traces while layouts are searched: each layout makes and
-    drops steps of tens of thousands of rows, and every full collection would walk the traces' millions of
-    objects again (a third of the search's time)."""
+def _collector_quiet() -> Iterator[None]:
+    """Collect garbage rarely while traces arrive and layouts are searched, and never scan what is frozen inside:
+    unpickling the traces workers send makes objects by the million (the 8B / 8-GPU plan's 20 took 2.9 s to
+    receive under the default thresholds, 0.6 s without collections), each layout makes and drops steps of tens of
+    thousands of rows, and every full collection would walk the traces again (a third of the search's time)."""
     thresholds = gc.get_threshold()
-    gc.freeze()
     gc.set_threshold(100_000, 50, 100)
     try:
         yield
