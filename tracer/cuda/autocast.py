@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from enum import Enum
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tracer.cuda.registration import register_kernels
 
@@ -177,7 +177,13 @@ class CudaAutocast:
         return kernel
 
     def _cast_all(self, tree, to_type: torch.dtype):
-        return tree_map(lambda leaf: self._cached_cast(leaf, to_type), tree)
+        """Each argument cast, the last first: CUDA's wrapper casts them in the arguments of one call
+        (``cached_cast(...)...`` in ``WrapFunction_``, aten/src/ATen/autocast_mode.h), which GCC evaluates right to
+        left; the H200 recordings (tests/fixtures/cuda) allocate a linear's bias copy, then its weight's, then its
+        input's, and the caching allocator places them in that order."""
+        leaves, spec = tree_flatten(tree)
+        cast = [self._cached_cast(leaf, to_type) for leaf in reversed(leaves)]
+        return tree_unflatten(cast[::-1], spec)
 
     def _cached_cast(self, leaf: object, to_type: torch.dtype) -> object:
         if not _eligible(leaf) or leaf.dtype == to_type:
