@@ -4,7 +4,8 @@ Each emulation lives in its own module and cites the PyTorch source it follows:
 
 * :mod:`tracer.cuda.autocast` — CUDA autocast's per-op cast policies and its weight-cast cache;
 * :mod:`tracer.cuda.kernels` — SDPA backend choice (flash / memory-efficient / math) and fused dropout;
-* :mod:`tracer.cuda.workspaces` — the cuBLAS workspace and attention-backward scratch buffers.
+* :mod:`tracer.cuda.workspaces` — the cuBLAS workspace and attention-backward scratch buffers;
+* :mod:`tracer.cuda.norm_statistics` — layer norm's saved mean and rstd in float32 for half-precision inputs.
 
 Also CUDA-specific, and handled where the trace is built: optimizers default to ``foreach`` on CUDA
 (``_default_to_fused_or_foreach``), and their ``step`` counters stay on the host (``capturable=False``).
@@ -18,6 +19,7 @@ import torch
 
 from tracer.cuda.autocast import CudaAutocast
 from tracer.cuda.kernels import CudaKernels
+from tracer.cuda.norm_statistics import NormStatistics
 from tracer.cuda.workspaces import KernelScratch, cublas_workspace_bytes
 from tracer.gpus import Gpu
 
@@ -36,6 +38,7 @@ class CudaEmulation:
         # A with statement whose __enter__ raises never calls __exit__: undo what was entered before the error.
         with ExitStack() as stack:
             stack.enter_context(self.kernels)
+            stack.enter_context(NormStatistics())  # under the recorder's mode: it records the op as CUDA runs it
             if self._autocast is not None:
                 stack.enter_context(self._autocast)
             self._stack = stack.pop_all()

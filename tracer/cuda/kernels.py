@@ -197,11 +197,11 @@ def _pad_last_dim(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _convert_boolean_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """``convert_boolean_attn_mask``: a bool mask becomes an additive mask of the query's dtype."""
+    """``convert_boolean_attn_mask``: a bool mask becomes an additive mask of the query's dtype, as
+    ``at::where(*attn_mask, 0.0, at::scalar_tensor(neg_inf, ...))`` makes it (no inverted copy of the mask)."""
     if attn_mask is None or attn_mask.dtype != torch.bool:
         return attn_mask
-    zero = torch.scalar_tensor(0.0, dtype=dtype, device=attn_mask.device)
-    return torch.where(attn_mask.logical_not(), -math.inf, zero)
+    return torch.where(attn_mask, 0.0, torch.scalar_tensor(-math.inf, dtype=dtype, device=attn_mask.device))
 
 
 def _preprocess_efficient_mask(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
