@@ -56,6 +56,10 @@ from tracer.trace import element_size
 from tracer.training import TrainingSetup
 
 ROOT = ""
+# The first torch whose fully_shard shards a frozen integer parameter (LLM.int8()'s weights): before it,
+# ``FSDPParam._init_sharded_param`` made every shard require a gradient, which an integer tensor refuses
+# (pytorch#177844; fixed by pytorch#177948 in March 2026, after the 2.11 branch cut, before 2.12's).
+INTEGER_PARAMETERS_TORCH = (2, 12)
 FLOAT32_BYTES = element_size("float32")
 # FSDP2's side streams, whose blocks the caching allocator pools apart from the compute stream's
 # (_fsdp_collectives.py): foreach_all_gather allocates the parameters' all-gather inputs and the flat output under

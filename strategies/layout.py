@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from strategies.collectives import recorded, ring_exchanges, token_exchanges
 from strategies.ddp import Ddp
 from strategies.deepspeed import DeepSpeedZero, ZeroConfig
-from strategies.fsdp import Fsdp2
+from strategies.fsdp import INTEGER_PARAMETERS_TORCH, Fsdp2
 from strategies.pipeline import (
     LOOPED,
     SCHEDULES,
@@ -27,6 +27,7 @@ from strategies.pipeline import (
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.context_parallel import local_length
+from tracer.cuda.kernels import installed_torch_version
 from tracer.errors import UserError
 from tracer.expert_parallel import Routing, routing_of
 from tracer.graph import StepGraph
@@ -389,6 +390,15 @@ def prepare(layout: Layout, setup: TrainingSetup, config: PretrainedConfig | Non
             "documents only 4-bit weights stored in the compute dtype for it (bnb_4bit_quant_storage). Use --qlora, "
             "or --zero 1 or 2, which leave frozen weights whole."
         )
+    if setup.quantize == "int8" and isinstance(data_parallel(layout), Fsdp2):
+        torch_version = installed_torch_version()
+        if torch_version < INTEGER_PARAMETERS_TORCH:
+            raise UserError(
+                f"--load-in-8bit under FSDP2 does not run on torch {torch_version[0]}.{torch_version[1]}: its "
+                "fully_shard makes every shard require a gradient, which LLM.int8()'s integer weights refuse "
+                "(pytorch#177844, fixed in torch 2.12). Use --zero 0 or 1, --engine deepspeed --zero 1 or 2, or "
+                "--qlora with bnb_4bit_quant_storage in the compute dtype."
+            )
     if setup.lora and layout.tp > 1:
         raise UserError(
             "LoRA with tensor parallelism is not modelled: PyTorch's ColwiseParallel and RowwiseParallel accept "

@@ -5,14 +5,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from runtimes import fsdp2_peak
+from runtimes import fsdp2_peak, fully_shard_takes_integer_parameters
 from tiny_models import tiny_model
 
 from analysis.peak import find_peak, timeline
-from strategies.fsdp import FsdpPlan, fsdp
+from strategies.fsdp import INTEGER_PARAMETERS_TORCH, FsdpPlan, fsdp
+from strategies.layout import Layout, prepare
+from tracer.cuda.kernels import installed_torch_version
+from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
-from tracer.training import Target, TrainingSetup
+from tracer.training import LoraSetup, Target, TrainingSetup
 
 TOLERANCE = 0.01
 
@@ -73,3 +76,18 @@ def test_fsdp_gradient_accumulation_frees_each_micro_steps_reduce_scatter_input(
     runtime = fsdp2_peak(model, setup, 4, reshard_after_forward=reshard)
     step = fsdp(build_graph(trace_step(model, setup)), FsdpPlan(4, 0, reshard))
     assert find_peak(timeline(step, rounded=False)).bytes == runtime
+
+
+def test_llm_int8_weights_are_refused_where_fully_shard_cannot_shard_them(monkeypatch):
+    """The version rule agrees with the installed torch's own ``fully_shard`` (tried on an integer parameter), and
+    below that version FSDP2 over LLM.int8() weights is refused, not estimated."""
+    assert (installed_torch_version() >= INTEGER_PARAMETERS_TORCH) == fully_shard_takes_integer_parameters()
+    config = tiny_model("llama").config
+    setup = TrainingSetup(target=Target.CPU, dtype="bf16", quantize="int8", lora=LoraSetup(r=4))
+    monkeypatch.setattr("strategies.layout.installed_torch_version", lambda: (2, 11))
+    for zero in (2, 3):
+        with pytest.raises(UserError, match=r"--load-in-8bit under FSDP2 does not run on torch 2\.11"):
+            prepare(Layout(gpus=4, zero=zero), setup, config)
+    prepare(Layout(gpus=4, zero=1), setup, config)
+    monkeypatch.setattr("strategies.layout.installed_torch_version", lambda: INTEGER_PARAMETERS_TORCH)
+    prepare(Layout(gpus=4, zero=3), setup, config)
