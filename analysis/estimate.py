@@ -22,11 +22,12 @@ from analysis.peak import PeakLine, Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
+from tracer.accumulation import NotDerivable
 from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import Model, as_model
 from tracer.trace import Trace
-from tracer.tracing import Progress, trace_step
+from tracer.tracing import Progress, accumulating_from, trace_step
 from tracer.training import Target, TrainingSetup
 
 SINGLE_GPU = Layout()
@@ -77,9 +78,16 @@ class StepSource:
     LINE_FIRST = 2  # batch 1 is off the line (analysis/batch_line.py)
 
     def __init__(
-        self, model: Model, setup: TrainingSetup, progress: Progress | None = None, lines: bool = False
+        self,
+        model: Model,
+        setup: TrainingSetup,
+        progress: Progress | None = None,
+        lines: bool = False,
+        plain: StepSource | None = None,
     ) -> None:
-        self.model, self.setup, self.progress, self.lines = model, setup, progress, lines
+        """``plain``: the same step without gradient accumulation, whose traces this accumulating step's are
+        derived from (tracer/accumulation.py) rather than traced."""
+        self.model, self.setup, self.progress, self.lines, self.plain = model, setup, progress, lines, plain
         self._traces: dict[int, Trace] = {}
         self._steps: dict[int, StepGraph] = {}
         self._line: BatchLine | None = None
@@ -87,10 +95,21 @@ class StepSource:
 
     def trace(self, batch: int) -> Trace:
         if batch not in self._traces:
-            self._traces[batch] = trace_step(
-                self.model, dataclasses.replace(self.setup, batch_size=batch), self.progress
-            )
+            self._traces[batch] = self._made(dataclasses.replace(self.setup, batch_size=batch))
         return self._traces[batch]
+
+    def _made(self, setup: TrainingSetup) -> Trace:
+        if self.plain is not None:
+            try:
+                return accumulating_from(self.plain.trace(setup.batch_size), setup)
+            except NotDerivable:  # the loop is traced as it runs
+                return trace_step(self.model, setup, self.progress, derive_accumulation=False)
+        return trace_step(self.model, setup, self.progress)
+
+    def traced_from(self, batch: int) -> tuple[StepSource, int]:
+        """The source and batch size whose trace gives this source's at ``batch``: its own, or the plain step's
+        it is derived from."""
+        return (self, batch) if self.plain is None else (self.plain, batch)
 
     def add_trace(self, batch: int, trace: Trace) -> None:
         """A trace made elsewhere (the planner traces in worker processes)."""

@@ -35,7 +35,7 @@ from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
 from tracer.resolve import Model
-from tracer.tracing import traced_micro_steps
+from tracer.tracing import may_derive_accumulation, traced_micro_steps
 from tracer.training import LoraSetup, TrainingSetup
 from tracer.units import format_bytes
 
@@ -294,7 +294,8 @@ def _search_all(
     search: _Search, chosen: list[Candidate], jobs: int, on_progress: Callable[[str, int, int], None]
 ) -> list[Outcome]:
     """Each candidate's outcome, the steps it reads traced first."""
-    pairs = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
+    needed = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
+    pairs = list(dict.fromkeys(source.traced_from(batch) for source, batch in needed))
     # the longest first (more micro-steps, then more sequences), so that no process is left with one at the end
     pairs.sort(key=lambda pair: (traced_micro_steps(pair[0].setup), pair[1]), reverse=True)
     tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
@@ -306,6 +307,8 @@ def _search_all(
             source, batch = pairs[index]
             source.add_trace(batch, trace)
             on_progress(tracing, done + 1, len(pairs))
+        for source, batch in needed:  # the accumulating steps derived from their plain ones, before the fork
+            source.trace(batch)
         gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
         searched = _in_processes(
             lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
@@ -392,10 +395,16 @@ class _Search:
         """The candidate's estimate over the step source its traced setup shares with other candidates."""
         prepared = prepare(layout, candidate_setup, self.model.config)
         traced = prepared.traced
+        return LayoutEstimate(self.model.model_id, prepared, self._source(traced), dominant=True)
+
+    def _source(self, traced: TrainingSetup) -> StepSource:
+        """The source of a traced setup's steps, shared by every candidate that traces it; an accumulating step
+        is derived from its plain step's source."""
         key = dataclasses.replace(traced, batch_size=1, grad_accum=traced_micro_steps(traced))
         if key not in self.sources:
-            self.sources[key] = StepSource(self.model, key, lines=True)
-        return LayoutEstimate(self.model.model_id, prepared, self.sources[key], dominant=True)
+            plain = self._source(dataclasses.replace(key, grad_accum=1)) if may_derive_accumulation(key) else None
+            self.sources[key] = StepSource(self.model, key, lines=True, plain=plain)
+        return self.sources[key]
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes
 from transformers import masking_utils
 
+from tracer.accumulation import MICRO_STEPS, NotDerivable, accumulating_trace
 from tracer.baseline import register_baseline
 from tracer.config_check import EXPERT_COUNTS
 from tracer.context_parallel import ring_attention
@@ -77,17 +78,26 @@ def trace_step(
     progress: Progress | None = None,
     every_layer: bool = False,
     every_gpu: bool = False,
+    derive_accumulation: bool = True,
 ) -> Trace:
     """Record one steady-state training step, telling ``progress`` how far it got. A training step of a model
     whose decoder layers repeat is recorded on the model cut to a few layers and stamped out to all of them
     (tracer/layers.py, tracer/stamping.py), which gives the same trace; ``every_layer`` records them all. Under a
     device map the trace holds every GPU's storages, each with its GPU, which only a reading per GPU may sum
-    (``every_gpu``: analysis/device_map.py)."""
+    (``every_gpu``: analysis/device_map.py). A step of accumulating micro-steps is derived from the step without
+    accumulation (tracer/accumulation.py), which gives the same trace; ``derive_accumulation`` False records the
+    accumulating loop."""
     if setup.device_map is not None and not every_gpu:
         raise UserError(
             "A device map spreads the model over several GPUs, each estimated on its own: use "
             "analysis.device_map.estimate_device_map(model, setup)."
         )
+    if derive_accumulation and may_derive_accumulation(setup):
+        plain = trace_step(model, replace(setup, grad_accum=1), progress, every_layer, every_gpu)
+        try:
+            return accumulating_from(plain, setup)
+        except NotDerivable:  # the loop is traced as it runs
+            return trace_step(model, setup, progress, every_layer, every_gpu, derive_accumulation=False)
     inference = setup.mode == "inference"
     plan = None if every_layer or inference or model.config is None else plan_layers(model.config)
     why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
@@ -342,7 +352,30 @@ def _eager_recurrent_mask_answer() -> list[AbstractContextManager]:
 def traced_micro_steps(setup: TrainingSetup) -> int:
     """Micro-steps traced for gradient accumulation: the first creates the gradients, every later one runs
     with them alive and is the same as the second, so two stand for any number."""
-    return min(setup.grad_accum, 2)
+    return min(setup.grad_accum, MICRO_STEPS)
+
+
+def may_derive_accumulation(setup: TrainingSetup) -> bool:
+    """Whether the accumulating step is derived from the step without accumulation rather than traced: a
+    training step of accumulating micro-steps whose loop does not hold the outputs (they would live from one
+    micro-step into the next) and scales no loss (GradScaler's ``scale`` starts backward); the derivation checks
+    the rest."""
+    return (
+        setup.mode == "train"
+        and traced_micro_steps(setup) == MICRO_STEPS
+        and not setup.keep_outputs
+        and setup.mixed_precision != "fp16"
+    )
+
+
+def accumulating_from(plain: Trace, setup: TrainingSetup) -> Trace:
+    """The trace of ``setup``'s accumulating step from ``plain``, its step without accumulation at the same batch
+    size; raises NotDerivable when that step lacks the shape the derivation needs (tracer/accumulation.py)."""
+    return accumulating_trace(plain, plain.assumptions["step"] + _micro_steps_clause(setup))
+
+
+def _micro_steps_clause(setup: TrainingSetup) -> str:
+    return f"; {setup.grad_accum} micro-steps per optimizer step" if setup.grad_accum > 1 else ""
 
 
 def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, object]:
@@ -360,7 +393,7 @@ def _training_assumptions(config, setup: TrainingSetup, optimizer) -> dict[str, 
     return {
         "step": f"{forward}; loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)"
         + ("; with torch.amp.GradScaler" if setup.mixed_precision == "fp16" else "")
-        + (f"; {setup.grad_accum} micro-steps per optimizer step" if setup.grad_accum > 1 else ""),
+        + _micro_steps_clause(setup),
         "state": "steady state: optimizer states exist before the step; gradients are freed at its end"
         + ("; the previous step's outputs are held until the forward returns new ones" if setup.keep_outputs else ""),
         "optimizer_implementation": f"{kind.__module__}.{kind.__name__}"
