@@ -18,7 +18,12 @@ from tracer.training import LoraSetup, Target, TrainingSetup
 
 SETUP = TrainingSetup(batch_size=2, seq_len=32, mixed_precision="bf16")
 FAST_FAMILIES = {"llama", "deepseek_v3"}
-LORA_TARGETS = {"mixtral": ("q_proj", "v_proj"), "deepseek_v3": ("q_b_proj", "kv_b_proj"), "gpt_oss": ("q_proj",)}
+LORA_TARGETS = {
+    "mixtral": ("q_proj", "v_proj"),
+    "deepseek_v3": ("q_b_proj", "kv_b_proj"),
+    "gpt_oss": ("q_proj",),
+    "qwen3_next": ("q_proj", "v_proj"),
+}
 
 
 def _derived_and_traced(model, setup: TrainingSetup):

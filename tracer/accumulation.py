@@ -73,6 +73,15 @@ class _Plain:
             return self.at(0, self.trace.storages[self.loss].freed_after)
         return self.division(micro + 1) - 1
 
+    def existing(self, storage: Storage) -> Storage:
+        """``storage``, which exists before the step: alive through it, or replaced by the optimizer step (an
+        Adafactor state)."""
+        if storage.freed_after is None:
+            return storage
+        if storage.freed_after < self.optimizer:
+            raise NotDerivable(f"{storage.name or storage.id}, which exists before the step, dies in its forward")
+        return replaced(storage, freed_after=self.at(0, storage.freed_after))
+
     def placed(self, micro: int, storage: Storage) -> Storage:
         """``storage``, made by a plain op, as micro-step ``micro`` (or the optimizer step) makes it."""
         created, freed = storage.created_at, storage.freed_after
@@ -101,7 +110,7 @@ def accumulating_trace(plain: Trace, step_assumption: str) -> Trace:
         for storage_id in (*op.inputs, *op.outputs):
             if plain.storages[storage_id].created_at == index:
                 made[key(storage_id)] = parts.placed(0, plain.storages[storage_id])
-    made |= {("existing", s.id): s for s in plain.storages.values() if s.created_at is None}
+    made |= {("existing", s.id): parts.existing(s) for s in plain.storages.values() if s.created_at is None}
     ids = _numbering(plain, ops)
     storages = {ids[k]: replaced(storage, id=ids[k]) for k, storage in made.items()}
     return Trace(
