@@ -302,13 +302,17 @@ def _search_all(
     outcomes: list[Outcome | None] = [None] * len(chosen)
     with _collector_quiet():
         on_progress(tracing, 0, len(pairs))
+        derived: dict[tuple[StepSource, int], list[StepSource]] = {}  # a plain trace -> the sources derived from it
+        for source, batch in needed:
+            if source.traced_from(batch) != (source, batch):
+                derived.setdefault(source.traced_from(batch), []).append(source)
         traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
         for done, (index, trace) in enumerate(traced):
             source, batch = pairs[index]
             source.add_trace(batch, trace)
+            for accumulating in derived.get((source, batch), ()):  # while the other processes trace
+                accumulating.trace(batch)
             on_progress(tracing, done + 1, len(pairs))
-        for source, batch in needed:  # the accumulating steps derived from their plain ones, before the fork
-            source.trace(batch)
         gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
         searched = _in_processes(
             lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
