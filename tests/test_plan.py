@@ -332,6 +332,7 @@ def test_interleaved_makespan_divides_the_bubble_by_the_stages_per_rank(ranks, p
     assert makespan == pytest.approx((microbatches + (ranks - 1) / per_rank) * (forward + backward))
 
 
+@pytest.mark.slow
 def test_pipeline_layouts_are_planned_with_their_bubble():
     """--pipeline on adds 1F1B and interleaved 1F1B layouts whose microbatches come from the global batch; each kept
     layout's report is analyze's at its micro-batch and microbatches, and its step time carries the pipeline's

@@ -24,7 +24,7 @@ MIB = 1024**2
 WIDE = {"vocab_size": 4096, "hidden_size": 512, "num_hidden_layers": 6}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "opt"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow), "falcon", "opt"])
 def test_ddp_matches_the_runtime(family):
     model = tiny_model(family, **WIDE)
     setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=32)

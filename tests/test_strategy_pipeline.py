@@ -62,7 +62,7 @@ def test_every_stage_matches_torch_pipelining(stages, schedule, microbatches):
 @pytest.mark.parametrize(
     "options",
     [
-        {"lora": ADAPTERS, "grad_checkpointing": "full"},
+        pytest.param({"lora": ADAPTERS, "grad_checkpointing": "full"}, marks=SLOW),
         pytest.param({"dtype": "bf16"}, marks=SLOW),
         pytest.param({"grad_checkpointing": "full", "reentrant": True}, marks=SLOW),
         pytest.param({"optimizer": "sgd", "grad_checkpointing": "selective"}, marks=SLOW),
