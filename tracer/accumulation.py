@@ -4,8 +4,9 @@
 step's forward and backward twice, with differences at known places only:
 
 - each micro-step divides its loss: ``aten.div`` after the forward, and the division's backward right after the
-  root gradient's ``ones_like``; the undivided loss dies at the division, the divided one when the next
-  micro-step's loss replaces it (the last one when the step returns, as the plain step's loss does);
+  loop's own backward ops (the root gradient's ``ones_like``, and GradScaler's ``mul`` by the scale and its
+  backward around it); the undivided loss dies at the division, the divided one when the next micro-step's loss
+  replaces it (the last one when the step returns, as the plain step's loss does);
 - the first micro-step's gradients become the ``.grad`` they become in the plain step (``AccumulateGrad`` steals
   them: ``aten.detach``); the second's are temporaries that ``AccumulateGrad`` adds into them (``aten.add_``,
   ``variable_grad += new_grad``) and then drops;
@@ -30,6 +31,8 @@ from tracer.trace import Op, Storage, Trace
 
 MICRO_STEPS = 2  # two stand for any number (tracer/tracing.py: traced_micro_steps)
 _DIVIDE = "aten.div.Tensor"
+_SCALE = "aten.mul.Tensor"
+_ONES = "aten.ones_like.default"
 _STEAL = "aten.detach.default"
 _ACCUMULATE = "aten.add_.Tensor"
 _QUOTIENT, _SCALED_ROOT = "divided loss", "divided root gradient"
@@ -44,11 +47,12 @@ class _Plain:
     """Where the parts of the plain step lie."""
 
     trace: Trace
-    backward: int  # index of the first backward op: the root gradient's ones_like
+    backward: int  # index of the first backward op: the loop's (GradScaler's scale, or the root's ones_like)
+    head_end: int  # index of the loop's last backward op: the root gradient's ones_like, or the scale's backward
     optimizer: int  # index of the first optimizer op
     loss: int  # storage id of the loss
-    root: int  # storage id of the root gradient
-    root_readers: frozenset[int]  # the backward ops that read the root gradient
+    root: int  # storage id of the gradient the loop's backward ops hand the model
+    root_readers: frozenset[int]  # the backward ops after the loop's that read it
     steals: dict[int, int]  # gradient storage id -> the op at which AccumulateGrad makes it the .grad
     stolen: dict[int, int]  # the other way round
 
@@ -60,7 +64,7 @@ class _Plain:
             return MICRO_STEPS * 2 + index + (MICRO_STEPS - 1) * self.optimizer
         if index < self.backward:
             return micro * (self.optimizer + 2) + index
-        return micro * (self.optimizer + 2) + index + (1 if index == self.backward else 2)
+        return micro * (self.optimizer + 2) + index + (1 if index <= self.head_end else 2)
 
     def division(self, micro: int) -> int:
         """Where micro-step ``micro`` divides its loss."""
@@ -138,11 +142,15 @@ def _parts(plain: Trace) -> _Plain:
     expected = [Phase.FORWARD] * backward + [Phase.BACKWARD] * (optimizer - backward)
     if phases != expected + [Phase.OPTIMIZER] * (len(phases) - optimizer):
         raise NotDerivable("the step is not one forward, one backward and one optimizer step")
-    first = plain.ops[backward]
-    if first.target != "aten.ones_like.default" or first.module != LOOP or len(first.inputs) != 1:
-        raise NotDerivable(f"backward starts with {first.target}, not the root gradient's ones_like")
-    (loss,), (root,) = first.inputs, first.outputs
-    later = plain.ops[backward + 1 :]
+    scaled = plain.ops[backward].target == _SCALE  # GradScaler.scale(loss): loss * scale, then its backward
+    head_end = backward + (2 if scaled else 0)
+    head = plain.ops[backward : head_end + 1]
+    if [op.target for op in head] != ([_SCALE, _ONES, _SCALE] if scaled else [_ONES]):
+        raise NotDerivable(f"backward starts with {head[0].target}, not the loop's ones_like or GradScaler's scale")
+    if any(op.module != LOOP or len(op.outputs) != 1 for op in head):
+        raise NotDerivable("the root gradient is not made by the loop")
+    loss, root = head[0].inputs[0], head[-1].outputs[0]
+    later = plain.ops[head_end + 1 :]
     if any(loss in op.inputs or loss in op.outputs for op in later):
         raise NotDerivable("the loss is read after backward starts")
     if plain.storages[loss].freed_after != len(plain.ops) - 1:
@@ -162,7 +170,7 @@ def _parts(plain: Trace) -> _Plain:
     if not readers:
         raise NotDerivable("nothing reads the root gradient")
     stolen = {index: storage_id for storage_id, index in steals.items()}
-    return _Plain(plain, backward, optimizer, loss, root, readers, steals, stolen)
+    return _Plain(plain, backward, head_end, optimizer, loss, root, readers, steals, stolen)
 
 
 def _micro_step(parts: _Plain, micro: int, made: dict[Hashable, Storage]) -> list[Op]:
@@ -178,20 +186,21 @@ def _micro_step(parts: _Plain, micro: int, made: dict[Hashable, Storage]) -> lis
     for index in range(parts.optimizer):
         op = plain.ops[index]
         at = parts.at(micro, index)
-        if index == parts.backward:  # loss / micro_steps; its backward after the root gradient's ones_like
+        if index == parts.backward:  # loss / micro_steps, which the loop's backward ops read
             ops.append(_division(at - 1, Phase.FORWARD, key(parts.loss), quotient, loss.nbytes))
-            ops.append(replaced(op, index=at, inputs=(quotient,), outputs=(key(parts.root),)))
-            ops.append(_division(at + 1, Phase.BACKWARD, key(parts.root), scaled, root.nbytes))
             made[quotient] = replaced(
                 loss, role=Role.ACTIVATION, created_at=at - 1, freed_after=parts.loss_death(micro)
             )
-            made[key(parts.root)] = parts.placed(micro, root)
-            made[scaled] = replaced(
-                root,
-                role=Role.TEMPORARY,
-                created_at=at + 1,
-                freed_after=max(parts.at(micro, reader) for reader in parts.root_readers),
+        if index == parts.head_end:  # the division's backward, between the loop's backward ops and the model's
+            inputs = tuple(quotient if i == parts.loss else key(i) for i in op.inputs)
+            ops.append(replaced(op, index=at, inputs=inputs, outputs=(key(parts.root),)))
+            ops.append(_division(at + 1, Phase.BACKWARD, key(parts.root), scaled, root.nbytes))
+            last_read = max(parts.at(micro, reader) for reader in parts.root_readers)
+            held = root.freed_after > max(parts.root_readers)  # the engine holds ones_like's root to the end
+            made[key(parts.root)] = (
+                parts.placed(micro, root) if held else replaced(root, created_at=at, freed_after=at + 1)
             )
+            made[scaled] = replaced(root, role=Role.TEMPORARY, created_at=at + 1, freed_after=last_read)
             continue
         gradient = parts.stolen.get(index) if micro > 0 else None
         if gradient is not None:  # AccumulateGrad: .grad += the micro-step's gradient
@@ -200,7 +209,9 @@ def _micro_step(parts: _Plain, micro: int, made: dict[Hashable, Storage]) -> lis
             ops.append(replaced(op, index=at, target=_ACCUMULATE, inputs=added, outputs=added[:1], bytes_moved=moved))
             continue
         divided = index in parts.root_readers
-        inputs = tuple(scaled if divided and i == parts.root else key(i) for i in op.inputs)
+        inputs = tuple(
+            scaled if divided and i == parts.root else quotient if i == parts.loss else key(i) for i in op.inputs
+        )
         ops.append(replaced(op, index=at, inputs=inputs, outputs=tuple(map(key, op.outputs))))
         for storage_id in (*op.inputs, *op.outputs):
             source = plain.storages[storage_id]
