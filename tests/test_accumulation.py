@@ -67,6 +67,29 @@ def test_moe_mla_sliding_window_and_linear_attention_layers_derive_with_lora_and
     assert_same_trace(*_derived_and_traced(deep_tiny_model(family, LAYERS.get(family, 6)), setup))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, options",
+    [
+        ("qwen3_moe", {"expert_parallel": 2}),
+        ("llama", {"context_parallel": 2, "mixed_precision": "bf16"}),
+        ("llama", {"accelerate_prepared": True, "mixed_precision": "bf16"}),
+        ("llama", {"use_cache": True}),
+    ],
+    ids=["expert parallel rank", "context parallel rank", "accelerate's fp32 outputs", "cache in training"],
+)
+def test_ranks_and_loops_derive(family, options):
+    assert_same_trace(*_derived_and_traced(tiny_model(family), TrainingSetup(batch_size=2, seq_len=32, **options)))
+
+
+@pytest.mark.slow
+def test_a_custom_models_loss_outside_the_model_derives():
+    from test_custom_model import ADAPTERS, MODEL
+
+    setup = TrainingSetup(batch_size=2, seq_len=32, lora=ADAPTERS, grad_checkpointing="full", mixed_precision="bf16")
+    assert_same_trace(*_derived_and_traced(MODEL, setup))
+
+
 def test_a_loop_holding_its_outputs_is_traced_as_it_runs():
     """The outputs a loop keeps (``outputs = model(**batch)``) live from one micro-step into the next."""
     model = tiny_model("llama")
