@@ -13,6 +13,7 @@ from tiny_models import FAMILIES, deep_tiny_model, tiny_model
 import analysis.estimate
 from analysis.estimate import StepSource
 from tracer.accumulation import NotDerivable, accumulating_trace
+from tracer.roles import Phase, Role
 from tracer.tracing import accumulating_from, trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
@@ -39,11 +40,15 @@ def test_every_family_derives_its_accumulating_trace(family):
     assert_same_trace(*_derived_and_traced(tiny_model(family), SETUP))
 
 
-DERIVED_VARIANTS = {name: variant for name, variant in VARIANTS.items() if "keep_outputs" not in variant} | {
+DERIVED_VARIANTS = VARIANTS | {
     "cpu, fp32": dict(target=Target.CPU),
     "lora on bf16 weights, bf16 autocast": dict(lora=LoraSetup(r=4), dtype="bf16", mixed_precision="bf16"),
 }
-FAST_VARIANTS = {"lora, reentrant checkpointing, bf16 autocast, accumulation", "fp16 autocast with a gradient scaler"}
+FAST_VARIANTS = {
+    "lora, reentrant checkpointing, bf16 autocast, accumulation",
+    "fp16 autocast with a gradient scaler",
+    "accelerate loop: outputs kept in fp32, bf16 autocast",
+}
 
 
 @pytest.mark.parametrize(
@@ -90,13 +95,21 @@ def test_a_custom_models_loss_outside_the_model_derives():
     assert_same_trace(*_derived_and_traced(MODEL, setup))
 
 
-def test_a_loop_holding_its_outputs_is_traced_as_it_runs():
-    """The outputs a loop keeps (``outputs = model(**batch)``) live from one micro-step into the next."""
+def test_a_step_of_another_shape_is_refused_by_name_and_traced_as_the_loop_runs(monkeypatch):
+    """A gradient AccumulateGrad would clone rather than steal (one held elsewhere) has no derivation."""
     model = tiny_model("llama")
-    setup = dataclasses.replace(SETUP, keep_outputs=True)
-    with pytest.raises(NotDerivable, match="loss does not live"):
-        accumulating_trace(trace_step(model, setup), "")
-    accumulating = dataclasses.replace(setup, grad_accum=2)
+    plain = trace_step(model, SETUP)
+    gradient = next(s for s in plain.storages.values() if s.role is Role.GRADIENT)
+    steal = max(op.index for op in plain.ops if gradient.id in op.outputs and op.phase is Phase.BACKWARD)
+    plain.ops[steal] = dataclasses.replace(plain.ops[steal], target="aten.clone.default")
+    with pytest.raises(NotDerivable, match=f"gradient of {gradient.param} is not stolen"):
+        accumulating_trace(plain, "")
+
+    def refused(plain, setup):
+        raise NotDerivable("refused")
+
+    monkeypatch.setattr("tracer.tracing.accumulating_from", refused)
+    accumulating = dataclasses.replace(SETUP, grad_accum=2)
     assert_same_trace(trace_step(model, accumulating), trace_step(model, accumulating, derive_accumulation=False))
 
 

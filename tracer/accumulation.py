@@ -16,7 +16,9 @@ step's forward and backward twice, with differences at known places only:
 So the derived trace is the trace of the accumulating loop, op for op and storage for storage
 (tests/test_accumulation.py), for the cost of a copy instead of a second trace. A step without this shape (a
 gradient cloned rather than stolen, a storage of the forward or backward living into the optimizer step, a loss
-read again) raises :class:`NotDerivable`, and the accumulating loop is traced instead.
+read again) raises :class:`NotDerivable`, and the accumulating loop is traced instead. A loop that keeps its
+outputs (``outputs = model(...)``) holds each micro-step's until the next micro-step's forward returns, the last
+one's past the step, as the plain step holds its own.
 """
 
 from __future__ import annotations
@@ -55,6 +57,19 @@ class _Plain:
     root_readers: frozenset[int]  # the backward ops after the loop's that read it
     steals: dict[int, int]  # gradient storage id -> the op at which AccumulateGrad makes it the .grad
     stolen: dict[int, int]  # the other way round
+    # A loop that keeps its outputs (``outputs = model(...)``): the forward op after which the previous step's die,
+    # replaced by this step's, which outlive it; None for a loop that drops them
+    outputs_replaced: int | None
+
+    @property
+    def returns(self) -> int:
+        """The plain step's last op, after which what the loop's locals hold dies."""
+        return len(self.trace.ops) - 1
+
+    @property
+    def loss_kept(self) -> bool:
+        """Whether the loss lives in the outputs the loop keeps."""
+        return self.trace.storages[self.loss].freed_after is None
 
     def at(self, micro: int, index: int) -> int:
         """Where plain op ``index`` lands: in micro-step ``micro`` if it is a forward or backward op, else in the
@@ -74,15 +89,15 @@ class _Plain:
         """Where micro-step ``micro``'s divided loss dies, with what its autograd graph still holds (a reentrant
         checkpoint's inputs): when the next micro-step's forward returns its loss, the last one's with the step."""
         if micro == MICRO_STEPS - 1:
-            return self.at(0, self.trace.storages[self.loss].freed_after)
+            return self.at(0, self.returns)
         return self.division(micro + 1) - 1
 
     def existing(self, storage: Storage) -> Storage:
-        """``storage``, which exists before the step: alive through it, or replaced by the optimizer step (an
-        Adafactor state)."""
+        """``storage``, which exists before the step: alive through it, replaced by the first micro-step's outputs
+        (the previous step's, kept by the loop) or by the optimizer step (an Adafactor state)."""
         if storage.freed_after is None:
             return storage
-        if storage.freed_after < self.optimizer:
+        if storage.freed_after < self.optimizer and storage.freed_after != self.outputs_replaced:
             raise NotDerivable(f"{storage.name or storage.id}, which exists before the step, dies in its forward")
         return replaced(storage, freed_after=self.at(0, storage.freed_after))
 
@@ -93,7 +108,9 @@ class _Plain:
             death = None if freed is None else self.at(0, freed)
         elif freed is not None and freed < self.optimizer:
             death = self.at(micro, freed)
-        elif freed == self.trace.storages[self.loss].freed_after:
+        elif freed is None and created < self.backward and self.outputs_replaced is not None:  # the kept outputs
+            death = self.at(micro + 1, self.outputs_replaced) if micro < MICRO_STEPS - 1 else None
+        elif freed == self.returns:
             death = self.loss_death(micro)
         else:
             raise NotDerivable(f"storage {storage.id} {storage.shape} of the forward or backward outlives them")
@@ -153,8 +170,13 @@ def _parts(plain: Trace) -> _Plain:
     later = plain.ops[head_end + 1 :]
     if any(loss in op.inputs or loss in op.outputs for op in later):
         raise NotDerivable("the loss is read after backward starts")
-    if plain.storages[loss].freed_after != len(plain.ops) - 1:
-        raise NotDerivable("the loss does not live until the step returns")
+    replaced_at = {s.freed_after for s in plain.storages.values() if s.created_at is None and s.freed_after is not None}
+    outputs_replaced = next((i for i in replaced_at if i < backward), None)
+    if any(i < optimizer for i in replaced_at - {outputs_replaced}):
+        raise NotDerivable("storages existing before the step die in its forward at more than one op")
+    loss_death = plain.storages[loss].freed_after
+    if loss_death != len(plain.ops) - 1 and not (loss_death is None and outputs_replaced is not None):
+        raise NotDerivable("the loss does not live until the step returns, nor in outputs the loop keeps")
     last_writer = {storage_id: op for op in plain.ops[backward:optimizer] for storage_id in op.outputs}
     steals = {}
     for storage in plain.storages.values():
@@ -170,7 +192,7 @@ def _parts(plain: Trace) -> _Plain:
     if not readers:
         raise NotDerivable("nothing reads the root gradient")
     stolen = {index: storage_id for storage_id, index in steals.items()}
-    return _Plain(plain, backward, head_end, optimizer, loss, root, readers, steals, stolen)
+    return _Plain(plain, backward, head_end, optimizer, loss, root, readers, steals, stolen, outputs_replaced)
 
 
 def _micro_step(parts: _Plain, micro: int, made: dict[Hashable, Storage]) -> list[Op]:
@@ -217,7 +239,7 @@ def _micro_step(parts: _Plain, micro: int, made: dict[Hashable, Storage]) -> lis
             source = plain.storages[storage_id]
             if source.created_at != index:
                 continue
-            if storage_id == parts.loss:  # dies at the division
+            if storage_id == parts.loss and not parts.loss_kept:  # dies at the division
                 made[key(storage_id)] = replaced(
                     source, role=Role.TEMPORARY, created_at=at, freed_after=parts.division(micro)
                 )

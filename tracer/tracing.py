@@ -356,10 +356,9 @@ def traced_micro_steps(setup: TrainingSetup) -> int:
 
 
 def may_derive_accumulation(setup: TrainingSetup) -> bool:
-    """Whether the accumulating step is derived from the step without accumulation rather than traced: a
-    training step of accumulating micro-steps whose loop does not hold the outputs (they would live from one
-    micro-step into the next); the derivation checks the rest."""
-    return setup.mode == "train" and traced_micro_steps(setup) == MICRO_STEPS and not setup.keep_outputs
+    """Whether the accumulating step is derived from the step without accumulation rather than traced: a training
+    step of accumulating micro-steps; the derivation checks the rest."""
+    return setup.mode == "train" and traced_micro_steps(setup) == MICRO_STEPS
 
 
 def accumulating_from(plain: Trace, setup: TrainingSetup) -> Trace:
