@@ -204,7 +204,7 @@ def _check_tensor_parallel(
 @pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
 @pytest.mark.parametrize(
     "family",
-    TP_FAMILIES
+    [f if f != "gpt_neox" else pytest.param(f, marks=pytest.mark.slow) for f in TP_FAMILIES]
     + [
         pytest.param(f, marks=pytest.mark.slow)
         for f in ("mistral", "qwen2", "gemma3_text", "smollm3", "codegen", "mixtral", "glm4_moe", "qwen3_next")
