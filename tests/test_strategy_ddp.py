@@ -33,7 +33,7 @@ def test_ddp_matches_the_runtime(family):
     assert abs(estimate - runtime) / runtime <= TOLERANCE, (estimate, runtime)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow), "opt"])
 @pytest.mark.parametrize("rank", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_zero_redundancy_optimizer_matches_the_runtime(family, rank):
     """ZeRO-1 in PyTorch: each rank keeps the optimizer states of the whole parameters assigned to it."""
