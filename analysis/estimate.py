@@ -22,12 +22,11 @@ from analysis.peak import PeakLine, Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
-from tracer.accumulation import NotDerivable
 from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import Model, as_model
 from tracer.trace import Trace
-from tracer.tracing import Progress, accumulating_from, trace_step
+from tracer.tracing import Progress, accumulating_step, trace_step
 from tracer.training import Target, TrainingSetup
 
 SINGLE_GPU = Layout()
@@ -100,10 +99,7 @@ class StepSource:
 
     def _made(self, setup: TrainingSetup) -> Trace:
         if self.plain is not None:
-            try:
-                return accumulating_from(self.plain.trace(setup.batch_size), setup)
-            except NotDerivable:  # the loop is traced as it runs
-                return trace_step(self.model, setup, self.progress, derive_accumulation=False)
+            return accumulating_step(self.model, setup, self.plain.trace(setup.batch_size), self.progress)
         return trace_step(self.model, setup, self.progress)
 
     def traced_from(self, batch: int) -> tuple[StepSource, int]:

@@ -304,8 +304,9 @@ def _search_all(
         on_progress(tracing, 0, len(pairs))
         derived: dict[tuple[StepSource, int], list[StepSource]] = {}  # a plain trace -> the sources derived from it
         for source, batch in needed:
-            if source.traced_from(batch) != (source, batch):
-                derived.setdefault(source.traced_from(batch), []).append(source)
+            origin = source.traced_from(batch)
+            if origin != (source, batch):
+                derived.setdefault(origin, []).append(source)
         traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
         for done, (index, trace) in enumerate(traced):
             source, batch = pairs[index]

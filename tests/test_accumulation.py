@@ -110,7 +110,10 @@ def test_a_step_of_another_shape_is_refused_by_name_and_traced_as_the_loop_runs(
 
     monkeypatch.setattr("tracer.tracing.accumulating_from", refused)
     accumulating = dataclasses.replace(SETUP, grad_accum=2)
-    assert_same_trace(trace_step(model, accumulating), trace_step(model, accumulating, derive_accumulation=False))
+    traced = trace_step(model, accumulating, derive_accumulation=False)
+    assert_same_trace(trace_step(model, accumulating), traced)
+    source = StepSource(model, accumulating, plain=StepSource(model, SETUP))  # the planner's way
+    assert_same_trace(source.trace(SETUP.batch_size), traced)
 
 
 def test_a_source_derives_from_its_plain_source_and_traces_only_that(monkeypatch):

@@ -94,10 +94,7 @@ def trace_step(
         )
     if derive_accumulation and may_derive_accumulation(setup):
         plain = trace_step(model, replace(setup, grad_accum=1), progress, every_layer, every_gpu)
-        try:
-            return accumulating_from(plain, setup)
-        except NotDerivable:  # the loop is traced as it runs
-            return trace_step(model, setup, progress, every_layer, every_gpu, derive_accumulation=False)
+        return accumulating_step(model, setup, plain, progress, every_layer, every_gpu)
     inference = setup.mode == "inference"
     plan = None if every_layer or inference or model.config is None else plan_layers(model.config)
     why = "every layer traced" + (" (inference grows its cache outside the layers: not stamped)" if inference else "")
@@ -359,6 +356,22 @@ def may_derive_accumulation(setup: TrainingSetup) -> bool:
     """Whether the accumulating step is derived from the step without accumulation rather than traced: a training
     step of accumulating micro-steps; the derivation checks the rest."""
     return setup.mode == "train" and traced_micro_steps(setup) == MICRO_STEPS
+
+
+def accumulating_step(
+    model: Model,
+    setup: TrainingSetup,
+    plain: Trace,
+    progress: Progress | None = None,
+    every_layer: bool = False,
+    every_gpu: bool = False,
+) -> Trace:
+    """The trace of ``setup``'s accumulating step, derived from ``plain`` (its step without accumulation at the
+    same batch size) or, where the derivation refuses, recorded as the loop runs."""
+    try:
+        return accumulating_from(plain, setup)
+    except NotDerivable:
+        return trace_step(model, setup, progress, every_layer, every_gpu, derive_accumulation=False)
 
 
 def accumulating_from(plain: Trace, setup: TrainingSetup) -> Trace:
