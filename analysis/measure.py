@@ -122,7 +122,7 @@ _SKIPPED_MESSAGE = (
 class Generation:
     """What users run: ``model.generate()`` itself, greedy or sampling, with the cache ``setup.cache`` names, for
     exactly ``setup.max_new_tokens`` tokens (no stop or pad token, so every sequence runs to the end). Each forward
-    tells ``on_phase`` whether it is the prefill or a decode step."""
+    tells ``on_phase`` whether it is a prefill or a decode step."""
 
     model: nn.Module
     setup: TrainingSetup
@@ -136,15 +136,17 @@ class Generation:
         chosen = {"logits_to_keep": self.setup.logits_to_keep} if self.setup.logits_to_keep != 1 else {}
         forwards = 0
 
-        def tell_phase(module, args) -> None:
+        def tell_phase(module, args, kwargs) -> None:
             nonlocal forwards
-            on_phase(Phase.PREFILL if forwards == 0 else Phase.DECODE)
+            ids = kwargs.get("input_ids")
+            refill = ids is not None and ids.shape[1] > 1  # the whole sequence again (Phi-3: tracer/inference.py)
+            on_phase(Phase.PREFILL if forwards == 0 or refill else Phase.DECODE)
             forwards += 1
 
         # generate() fills a None of the config it is given from the model's own generation config, which would
         # bring the stop token back: the model's config is the one given, for the call.
         own, self.model.generation_config = self.model.generation_config, generation
-        handle = self.model.register_forward_pre_hook(tell_phase)
+        handle = self.model.register_forward_pre_hook(tell_phase, with_kwargs=True)
         try:
             ids = self.model.generate(batch.input_ids, generation_config=generation, **chosen)
         finally:

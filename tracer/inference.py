@@ -13,8 +13,9 @@ criteria. ``max_new_tokens`` tokens take that many forwards: the prefill gives t
 
 The decode step traced is the last: before it, the cache and the growing ids are brought to what they hold then,
 without recording (the decode steps in between repeat the traced one with shorter tensors), so the decode peak
-is the largest of all decode steps. No stop token ends the generation early: every sequence runs to
-``max_new_tokens``.
+is the largest of all decode steps. A model that drops the cache part-way (Phi-3, at the token past
+``original_max_position_embeddings``) has that forward traced as well: it runs the whole sequence again. No stop
+token ends the generation early: every sequence runs to ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class InferenceStep:
     scaler: None = None
     kept_outputs: None = None
     processors_used: str = ""  # the logits processors generate() built, for the report
+    dropped_cache: str = ""  # where the model dropped its cache part-way, for the report
 
     def prime(self, batch: Batch) -> None:
         """Nothing persists from one generation to the next."""
@@ -95,22 +97,29 @@ class InferenceStep:
         state = _Sampling(model, batch.input_ids, kwargs, processors, setup.sampling is not None)
         with _offloading(cache, recorder) if getattr(cache, "offloading", False) else nullcontext():
             state.forward(batch.input_ids.shape[1], first=True)
-            _mark_cache(cache, recorder)
+            _mark_cache(state.cache, recorder)
             if setup.max_new_tokens == 1:
                 return
-            devices = [recorder.device_of(tensor) if recorder else 0 for tensor in _cache_tensors(cache)]
-            with recorder.paused() if recorder else nullcontext():
-                state.skip(setup.max_new_tokens - 2)  # the decode steps before the last
-            if recorder:
-                _track_cache(cache, recorder, devices)
-                recorder.track_created(state.ids, Role.INPUT, "generated ids")
-                if state.kwargs.get("position_ids") is not None:
-                    recorder.track_created(state.kwargs["position_ids"], Role.INPUT, "position ids")
-                if state.kwargs.get("attention_mask") is not None:
-                    recorder.track_created(state.kwargs["attention_mask"], Role.INPUT, "attention mask")
-            on_phase(Phase.DECODE)
-            state.forward(1)
-            _mark_cache(cache, recorder)
+            last = batch.input_ids.shape[1] + setup.max_new_tokens - 1  # the ids' length at the last forward
+            refill = getattr(self.config, "original_max_position_embeddings", None)
+            refill = None if refill is None else refill + 1
+            restarted = False
+            for length in _lengths_traced(state.ids.shape[1], last, refill):
+                _advance(state, length, recorder, grow_cache=not restarted)
+                drops, tokens = _next_inputs(state, recorder)
+                if length == refill and length < last and not drops:
+                    continue  # a decode step like the last, with a shorter cache
+                if drops:
+                    self.dropped_cache = (
+                        f"the model's prepare_inputs_for_generation drops the cache at sequence length {length}, "
+                        f"and the forward runs {tokens} tokens into a new cache, the old one alive meanwhile; traced"
+                    )
+                on_phase(Phase.PREFILL if tokens > 1 else Phase.DECODE)
+                state.forward(1)
+                _mark_cache(state.cache, recorder)
+                # transformers 5.17 drops the cache but runs the one new token: every later step finds a cache of
+                # fewer than original_max_position_embeddings tokens and drops it again
+                restarted = drops and tokens == 1
 
     def _cache(self):
         """The cache generate() makes for ``setup.cache`` (``_prepare_cache_for_generation``)."""
@@ -253,15 +262,61 @@ class _Sampling:
         self.unfinished.max() == 0  # noqa: B015 - the flag generate() reads to stop
         del outputs
 
-    def skip(self, tokens: int) -> None:
+    @property
+    def cache(self):
+        return self.kwargs[CACHE_KWARG]
+
+    def skip(self, tokens: int, grow_cache: bool = True) -> None:
         """The cache, ids and kwargs as ``tokens`` more iterations leave them."""
         if tokens == 0:
             return
         cache = self.kwargs[CACHE_KWARG]
-        _grow(cache, tokens)
+        if grow_cache:
+            _grow(cache, tokens)
         self.ids = torch.cat([self.ids, self.ids.new_zeros((self.ids.shape[0], tokens))], dim=-1)
         grown = CausalLMOutputWithPast(**{CACHE_KWARG: cache})
         self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
+
+
+def _lengths_traced(first: int, last: int, refill: int | None) -> list[int]:
+    """The ids' lengths at the forwards traced after the prefill, which run at ``first`` to ``last``: the last,
+    where the cache is longest, and the one at ``refill``, where the model may drop the cache and run the whole
+    sequence again (:func:`_drops_cache`). When that is the last forward, the longest decode step is the one
+    before it."""
+    if refill is None or not first <= refill <= last:
+        return [last]
+    if refill < last:
+        return [refill, last]
+    return [refill - 1, refill] if refill > first else [refill]
+
+
+def _advance(state: _Sampling, length: int, recorder, grow_cache: bool = True) -> None:
+    """Grow the cache, ids and kwargs, without recording, to what they hold when the ids reach ``length`` tokens:
+    the decode steps in between repeat a traced one with shorter tensors (``grow_cache`` False: each dropped the
+    cache and left one of the same length). The storages made are then registered on the GPUs the cache's layers
+    were on."""
+    devices = [recorder.device_of(tensor) if recorder else 0 for tensor in _cache_tensors(state.cache)]
+    with recorder.paused() if recorder else nullcontext():
+        state.skip(length - state.ids.shape[1], grow_cache)
+    if recorder:
+        _track_cache(state.cache, recorder, devices)
+        recorder.track_created(state.ids, Role.INPUT, "generated ids")
+        if state.kwargs.get("position_ids") is not None:
+            recorder.track_created(state.kwargs["position_ids"], Role.INPUT, "position ids")
+        if state.kwargs.get("attention_mask") is not None:
+            recorder.track_created(state.kwargs["attention_mask"], Role.INPUT, "attention mask")
+
+
+def _next_inputs(state: _Sampling, recorder) -> tuple[bool, int]:
+    """Whether the model's ``prepare_inputs_for_generation`` drops generate()'s cache for the next forward, and
+    how many tokens that forward runs. Phi-3's, PhiMoE's and Phi-4-multimodal's drop it at the first token past
+    ``original_max_position_embeddings``, where longrope switches from its short factors to its long ones: from
+    transformers 5.24 the forward runs the whole sequence again into a new cache (modeling_phi3.py)."""
+    with recorder.paused() if recorder else nullcontext():
+        inputs = state.model.prepare_inputs_for_generation(
+            state.ids, next_sequence_length=1, is_first_iteration=False, **state.kwargs
+        )
+    return inputs.get(CACHE_KWARG) is not state.cache, inputs["input_ids"].shape[1]
 
 
 def _multinomial(probs: torch.Tensor) -> torch.Tensor:

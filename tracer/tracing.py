@@ -253,6 +253,8 @@ def _record(
     trace.assumptions = _assumptions(model, config, setup, optimizer, emulation)
     if setup.mode == "inference":
         trace.assumptions["logits_processors"] = step.processors_used
+        if step.dropped_cache:
+            trace.assumptions["cache_dropped"] = step.dropped_cache
     if placement is not None:
         trace.assumptions |= placement.describe()
     return trace, net
