@@ -7,7 +7,7 @@ storage. Any difference beyond 0.1% is a semantic the trace misses.
 from __future__ import annotations
 
 import pytest
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, LONGROPE, tiny_model
 
 from analysis.estimate import analyze
 from analysis.measure import measure
@@ -97,16 +97,6 @@ def test_eager_attention(family):
 # factors up to original_max_position_embeddings (32 here) and its long ones beyond; dynamic NTK regrows its
 # frequencies past max_position_embeddings (32 here). The positions below, at the prompt and after generating,
 # lie on either side and across.
-LONGROPE = dict(
-    rope_scaling={
-        "rope_type": "longrope",
-        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.1, 1.2, 1.3],
-        "long_factor": [2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7],
-        "original_max_position_embeddings": 32,
-    },
-    original_max_position_embeddings=32,
-    max_position_embeddings=128,
-)
 DYNAMIC_NTK = dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=32)
 ROPE = {"longrope": ("phi3", LONGROPE), "dynamic": ("llama", DYNAMIC_NTK)}
 # generate() also makes a few scalars the trace does not repeat (tests/test_inference.py's tolerance)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from runtimes import EP_SIZE_MISSING, TRANSFORMERS_EP_SIZE, transformers_tp_generate_peak
 from tiny_models import FAMILIES as TINY
-from tiny_models import tiny_model
+from tiny_models import LONGROPE, tiny_model
 
 from analysis.cli import EXIT_USER_ERROR, main
 from analysis.estimate import analyze
@@ -224,6 +224,15 @@ def test_tensor_parallel_gathered_projections(shape):
     projections slicing their whole input (rowwise_split_input); every rank caches every key/value head. A wide
     MLP puts the prefill's peak at the gate_up gather."""
     _check_tensor_parallel("phi3", _inference(**shape), 2, intermediate_size=1024)
+
+
+def test_tensor_parallel_generate_across_the_longrope_switch():
+    """Phi-3's generate() drops its cache at the token past original_max_position_embeddings (32) and runs the
+    whole sequence again, each rank gathering its fused projections meanwhile."""
+    factors = LONGROPE["rope_scaling"]
+    halved = {name: factors[name][:4] for name in ("short_factor", "long_factor")}  # tp_heads' head dim of 8
+    overrides = LONGROPE | {"rope_scaling": factors | halved}
+    _check_tensor_parallel("phi3", _inference(seq_len=24, max_new_tokens=24), 2, intermediate_size=1024, **overrides)
 
 
 @pytest.mark.slow

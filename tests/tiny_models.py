@@ -282,6 +282,20 @@ def tiny_model(family: str, **overrides) -> ResolvedModel:
     return ResolvedModel(f"tiny-{family}", AutoConfig.for_model(**fields), "made in tests")
 
 
+# Phi-3's longrope switching from its short factors to its long ones past 32 positions (as Phi-3-mini-128k and
+# Phi-4-mini do past 4,096): overrides of the phi3 family's config.
+LONGROPE = dict(
+    rope_scaling={
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.2, 1.3, 1.0, 1.1, 1.2, 1.3],
+        "long_factor": [2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6, 2.7],
+        "original_max_position_embeddings": 32,
+    },
+    original_max_position_embeddings=32,
+    max_position_embeddings=128,
+)
+
+
 def deep_tiny_model(family: str, layers: int, **overrides) -> ResolvedModel:
     """The family's tiny config with ``layers`` decoder layers, its per-layer lists (``layer_types``,
     ``no_rope_layers``) repeated to that length."""
