@@ -27,12 +27,12 @@ from strategies.pipeline import (
 from strategies.tensor_parallel import TensorParallel
 from strategies.zero_redundancy import ZeroRedundancy
 from tracer.context_parallel import local_length
-from tracer.cuda.kernels import installed_torch_version
 from tracer.errors import UserError
 from tracer.expert_parallel import Routing, routing_of
 from tracer.graph import StepGraph
 from tracer.published import refuse_with_tensor_parallelism
 from tracer.training import TrainingSetup
+from tracer.versions import installed_torch_version
 
 if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
     from transformers import PretrainedConfig

@@ -11,11 +11,11 @@ from tiny_models import tiny_model
 from analysis.peak import find_peak, timeline
 from strategies.fsdp import INTEGER_PARAMETERS_TORCH, FsdpPlan, fsdp
 from strategies.layout import Layout, prepare
-from tracer.cuda.kernels import installed_torch_version
 from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
+from tracer.versions import installed_torch_version
 
 TOLERANCE = 0.01
 

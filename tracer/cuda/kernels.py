@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from tracer.cuda.registration import register_kernels
 from tracer.gpus import Gpu
+from tracer.versions import installed_torch_version
 
 
 class SdpaBackend(str, Enum):
@@ -47,11 +48,6 @@ CUDNN_FIRST_TORCH = (2, 11)
 # The first torch with check_cudnn_dropout (pytorch#174245, merged 2026-02-26, after the 2.11 branch cut).
 CUDNN_DROPOUT_CHECK_TORCH = (2, 12)
 TRUE_ENV = {"1", "ON", "YES", "TRUE", "Y"}  # c10::utils::check_env
-
-
-def installed_torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
 
 
 def cudnn_preferred(gpu: Gpu, torch_version: tuple[int, int]) -> bool:
