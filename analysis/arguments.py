@@ -167,7 +167,12 @@ def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="the serving engine (default vllm); sglang reads --tensor-parallel-size, --mem-fraction-static, "
         "--kv-cache-dtype, --dtype and --non-torch-memory",
     )
-    parser.add_argument("--gpu", default="h100", help="GPU kind from `python -m tracer gpus` (default h100)")
+    parser.add_argument(
+        "--gpu",
+        default="h100",
+        help="GPU kind from `python -m tracer gpus` (default h100): its memory, its compute capability (the GPTQ and "
+        "AWQ kernels vLLM picks), its cuBLAS workspace and its SM count (the sampler's top-k/top-p buffer)",
+    )
     parser.add_argument(
         "--gpu-memory",
         default=None,

@@ -194,7 +194,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         dtype=dtype,
         non_torch_bytes=non_torch,
         quantization=args.quantization,
-        compute_capability=gpu.compute_capability,
+        gpu=gpu,
     )
     startup = vllm_startup(model.config, setup)
     print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))

@@ -9,12 +9,18 @@ vLLM sizes its KV cache once (vllm/v1/worker/gpu_worker.py, ``Worker.determine_a
 * ``weights``: what loading the model allocated on the rank ("Model loading took X GiB"), see
   analysis/vllm_weights.py.
 * ``torch_peak_increase`` ("PyTorch activation peak memory"): the allocator's peak during
-  ``GPUModelRunner.profile_run`` above the weights: one forward of ``max_num_batched_tokens`` tokens
-  (``_dummy_run``) and the sampler on ``min(max_num_seqs, max_num_batched_tokens)`` rows
-  (``_dummy_sampler_run``). :func:`profile_peak` follows vLLM's layers: the fused qkv and gate_up
-  projections (``QKVParallelLinear``, ``MergedColumnParallelLinear``), ``SiluAndMul``, fused-add RMSNorm in
-  place, and ``fused_experts``' intermediate caches for MoE layers; the sampler holds the gathered logits, their
-  float32 copy and the top-k/top-p sort (values and int64 indices).
+  ``GPUModelRunner.profile_run`` above the weights (``gpu_worker.py``, the peak counter reset before it): one eager
+  forward of ``max_num_batched_tokens`` tokens (``_dummy_run``) and the sampler on the last token of each of
+  ``min(max_num_seqs, max_num_batched_tokens)`` dummy requests (``_dummy_sampler_run``). :func:`profile_peak`
+  follows vLLM's layers: the fused qkv and gate_up projections (``QKVParallelLinear``,
+  ``MergedColumnParallelLinear``), ``SiluAndMul``, fused-add RMSNorm in place, the MoE layers' router and the
+  fused experts' workspace (``WorkspaceManager``, kept once made); the cuBLAS workspace of the first matmul stays
+  too. The sampler (vllm/v1/sample) holds, besides the forward's hidden states, the last tokens' and their random
+  stand-in: the gathered logits in the model's dtype, their float32 copy, the Triton top-k/top-p kernel's buffer
+  of one vocabulary row per program (``topk_topp_triton.py``: ``min(next_power_of_2(programs), SMs)`` rows, kept in
+  a module cache; from 8 rows on, below them the sort path: float32 values and int64 indices), the probabilities
+  and ``random_sample``'s exponential draws, all float32 (FlashInfer's sampler is opt-in:
+  ``VLLM_USE_FLASHINFER_SAMPLER``).
 * ``non_torch_increase``: memory taken outside PyTorch during start-up (NCCL, cuBLAS workspaces, custom
   all-reduce buffers). It depends on the driver and the libraries, not on the model, so it is not predicted:
   ``--non-torch-memory`` takes it from the user's log and defaults to 0.
@@ -48,16 +54,17 @@ free memory across the captures. :func:`cuda_graphs` follows what it captures by
   batch (torch.compile's pieces between the attention layers, one graph per piece) and a FULL graph of a uniform
   decode batch (the whole forward, attention included); Llama 4's chunked local attention has no FULL graphs
   (PIECEWISE only);
-* the memory pool every capture shares (``graph_capture``, ``CUDAGraphWrapper``'s ``graph_pool``): the largest
-  capture's intermediate activations, which the smaller captures reuse. A piece's output is kept only until the next
-  piece reads it and the last one is a weak reference, so the pool is one forward's transient working set of the
-  largest size, not one per graph: the decoder layer's tensors as in the profile run (:func:`profile_peak`'s
-  attention/MLP/MoE parts) at that many tokens. The FULL decode graphs add FlashAttention 3's split-KV accumulators
-  (``FlashAttentionMetadataBuilder``: ``max_num_splits = flash_attn_max_num_splits_for_cuda_graph`` = 32 under full
-  graphs, so FA3's ``mha_fwd`` allocates ``out_accum`` [32, heads, tokens, head_dim_v] and ``softmax_lse_accum``
-  [32, heads, tokens] in float32): on Hopper, with the FLASH_ATTN and FLASH_ATTN_MLA backends (MLA's value is the
-  latent, ``kv_lora_rank`` wide). Gemma 3's multimodal checkpoints run on TRITON_ATTN (its image-prefix attention)
-  and gpt-oss's attention sinks showed none in llm-d's log: no accumulators for them.
+* the memory pool every capture shares (``graph_capture``, ``CUDAGraphWrapper``'s ``graph_pool``): the largest capture's
+  intermediate activations, which the smaller captures reuse. A piece's output is kept only until the next piece reads
+  it and the last one is a weak reference, so the pool is one forward's transient working set of the largest size, not
+  one per graph: the decoder layer's tensors as in the profile run (:func:`_layer_peak`'s attention/MLP/MoE parts) at
+  that many tokens; the fused experts' workspace, made in the profile run at ``max_num_batched_tokens`` and kept, is not
+  the pool's. The FULL decode graphs add FlashAttention 3's split-KV accumulators (``FlashAttentionMetadataBuilder``:
+  ``max_num_splits = flash_attn_max_num_splits_for_cuda_graph`` = 32 under full graphs, so FA3's ``mha_fwd`` allocates
+  ``out_accum`` [32, heads, tokens, head_dim_v] and ``softmax_lse_accum`` [32, heads, tokens] in float32): on Hopper,
+  with the FLASH_ATTN and FLASH_ATTN_MLA backends (MLA's value is the latent, ``kv_lora_rank`` wide). Gemma 3's
+  multimodal checkpoints run on TRITON_ATTN (its image-prefix attention) and gpt-oss's attention sinks showed none in
+  llm-d's log: no accumulators for them.
 
 Not modelled: the memory the CUDA driver keeps for each instantiated graph (kernel nodes, their parameters), which
 ``mem_get_info`` counts and which grows with the number of graphs (sizes x pieces). vLLM's own profiler measures it
@@ -71,10 +78,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from analysis.vllm_weights import HOPPER, WNA16, RankWeights, rank_weights
+from analysis.vllm_weights import VOCAB_PADDING, WNA16, RankWeights, rank_weights
+from tracer.cuda.workspaces import cublas_workspace_bytes
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
+from tracer.gpus import Gpu, find_gpu
 from tracer.published import quant_method
+from tracer.units import next_power_of_2, round_up
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # CacheConfig.gpu_memory_utilization
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size on CUDA
@@ -83,6 +93,9 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # EngineArgs' V1 default for the OpenAI s
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)  # --quantization of a 16-bit checkpoint
 SLIDING = "sliding_attention"
+FLOAT32, INT32, INT64, BOOL = (dtype.itemsize for dtype in (torch.float32, torch.int32, torch.int64, torch.bool))
+TRITON_TOP_K_TOP_P_ROWS = 8  # apply_top_k_top_p: the Triton kernel from 8 rows, the PyTorch sort below
+WORKSPACE_ALIGNMENT = 256  # WorkspaceManager.get_simultaneous: each tensor's bytes rounded up to 256
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ class VllmSetup:
     dtype: torch.dtype | None = None  # None: the checkpoint's, as vLLM's dtype="auto" (fp32 served as bf16)
     non_torch_bytes: int = 0
     quantization: str | None = None  # "fp8": dynamic FP8 of a 16-bit checkpoint's linear layers
-    compute_capability: tuple[int, int] = HOPPER  # picks GPTQ's and AWQ's kernels (serve --gpu's; default h100)
+    gpu: Gpu = field(default_factory=lambda: find_gpu("h100"))  # its capability picks GPTQ's and AWQ's kernels
 
 
 @dataclass(frozen=True)
@@ -191,7 +204,9 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
     return VllmStartup(
         setup,
         max_model_len,
-        rank_weights(model, config, setup.tensor_parallel_size, setup.quantization or method, setup.compute_capability),
+        rank_weights(
+            model, config, setup.tensor_parallel_size, setup.quantization or method, setup.gpu.compute_capability
+        ),
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
@@ -251,17 +266,64 @@ def kv_layout(config, setup: VllmSetup, model_dtype_bytes: int, max_model_len: i
 
 
 def profile_peak(config, setup: VllmSetup, dtype_bytes: int) -> dict[str, int]:
-    """The allocator's peak above the weights during ``profile_run``, by where it falls: the forward's
-    decoder layer (dense MLP or MoE) at ``max_num_batched_tokens``, and the sampler."""
+    """The allocator's peak above the weights during ``profile_run``, by where it falls: the forward's decoder
+    layer (attention, dense MLP, MoE) at ``max_num_batched_tokens``, then the sampler. Each counts what stays
+    allocated once made: the cuBLAS workspace, and from the first MoE layer on the fused experts' workspace."""
     tokens = setup.max_num_batched_tokens
+    cublas = cublas_workspace_bytes(setup.gpu)
+    experts = moe_workspace_bytes(config, setup, dtype_bytes, tokens)
     parts = _layer_peak(config, setup, dtype_bytes, tokens)
-    rows = min(setup.max_num_seqs, tokens)
-    parts["sampler"] = rows * config.vocab_size * (dtype_bytes + 4 + 4 + 8) + tokens * config.hidden_size * dtype_bytes
+    # a model's dense MLP layers come before its MoE layers (DeepSeek's first_k_dense_replace)
+    parts = {part: nbytes + cublas + (0 if part == "mlp" else experts) for part, nbytes in parts.items()}
+    parts["sampler"] = cublas + experts + _sampler_peak(config, setup, dtype_bytes)
     return parts
 
 
+def _sampler_peak(config, setup: VllmSetup, dtype_bytes: int) -> int:
+    """``_dummy_sampler_run`` at its peak, with what ``profile_run`` still holds: the forward's hidden states and the
+    last token's of each request, and the random stand-in the sampler runs on (``torch.rand_like``)."""
+    tokens, hidden, vocab = setup.max_num_batched_tokens, config.hidden_size, config.vocab_size
+    rows = min(setup.max_num_seqs, tokens)
+    held = (tokens + 2 * rows) * hidden * dtype_bytes
+    softcapped = getattr(config, "final_logit_softcapping", None)  # a new tensor, of the vocabulary unpadded
+    logits = rows * (vocab if softcapped else round_up(vocab, VOCAB_PADDING)) * dtype_bytes
+    float32 = rows * vocab * FLOAT32  # Sampler.forward's copy of the logits
+    if rows >= TRITON_TOP_K_TOP_P_ROWS:  # the kernel's buffer, then the probabilities and the exponential draws
+        programs = min(setup.gpu.multiprocessors, rows)
+        buffer = min(next_power_of_2(programs), setup.gpu.multiprocessors) * vocab * FLOAT32
+        return held + logits + float32 + buffer + 2 * rows * vocab * FLOAT32
+    # apply_top_k_top_p_pytorch at its top-p mask: the sorted values, their int64 indices, the top-k mask, the
+    # sorted probabilities and the top-p mask (more than the probabilities and the draws after it)
+    return held + logits + float32 + rows * vocab * (FLOAT32 + INT64 + BOOL + FLOAT32 + BOOL)
+
+
+def moe_workspace_bytes(config, setup: VllmSetup, dtype_bytes: int, tokens: int) -> int:
+    """The fused experts' workspace for ``tokens`` tokens, which ``WorkspaceManager`` allocates at the first MoE
+    layer and keeps (modular_kernel.py ``_allocate_buffers``, ``TritonExperts.workspace_shapes``): ``workspace13``
+    (the gate_up output's activation, then the output: ``tokens x top_k x max(intermediate, hidden)`` or ``tokens
+    x hidden``) and ``workspace2`` (``tokens x top_k x max(2 x intermediate, hidden)``), each rounded up to 256
+    bytes. gpt-oss's MXFP4 experts run the monolithic Triton kernel, which takes none."""
+    if not routed_experts(config) or quant_method(config) == "mxfp4":
+        return 0
+    top_k = _experts_per_token(config)
+    intermediate = _expert_intermediate(config) // setup.tensor_parallel_size
+    hidden = config.hidden_size
+    workspace13 = max(tokens * top_k * max(intermediate, hidden), tokens * hidden) * dtype_bytes
+    workspace2 = tokens * top_k * max(2 * intermediate, hidden) * dtype_bytes
+    return round_up(workspace13, WORKSPACE_ALIGNMENT) + round_up(workspace2, WORKSPACE_ALIGNMENT)
+
+
+def _experts_per_token(config) -> int:
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", 1)
+
+
+def _expert_intermediate(config) -> int:
+    return getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+
+
 def _layer_peak(config, setup: VllmSetup, dtype_bytes: int, tokens: int) -> dict[str, int]:
-    """A decoder layer's live tensors at its peak, one forward of ``tokens`` tokens: attention, dense MLP, MoE."""
+    """A decoder layer's own live tensors at its peak, one forward of ``tokens`` tokens: attention, dense MLP, MoE
+    (the router's; the fused experts' workspace is :func:`moe_workspace_bytes`)."""
     tp = setup.tensor_parallel_size
     hidden = config.hidden_size
     heads = config.num_attention_heads
@@ -280,15 +342,12 @@ def _layer_peak(config, setup: VllmSetup, dtype_bytes: int, tokens: int) -> dict
         intermediate = config.intermediate_size // tp
         parts["mlp"] = (stream + tokens * 3 * intermediate) * dtype_bytes  # gate_up, then SiluAndMul's output
     if experts:
-        top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", 1)
-        expert_intermediate = (getattr(config, "moe_intermediate_size", None) or config.intermediate_size) // tp
-        routed = tokens * top_k
+        routed = tokens * _experts_per_token(config)
         parts["moe"] = (
             stream * dtype_bytes
-            + tokens * experts * 4  # the router's logits, float32
-            + routed * (4 + 4)  # top-k weights (float32) and ids (int32)
-            + routed * (max(2 * expert_intermediate, hidden) + expert_intermediate) * dtype_bytes
-        )  # fused_experts: intermediate_cache1/3 share one buffer; intermediate_cache2
+            + tokens * experts * FLOAT32  # the router's logits
+            + routed * (FLOAT32 + INT32)  # top-k weights and ids
+        )
     return parts
 
 
@@ -323,7 +382,7 @@ def cuda_graphs(config, setup: VllmSetup, dtype_bytes: int) -> CudaGraphs:
 def _fa3_accumulators(config, setup: VllmSetup, tokens: int) -> int:
     """FA3's ``out_accum`` and ``softmax_lse_accum`` (float32) of one attention call of a FULL decode graph, or 0
     where vLLM runs another kernel (before Hopper, Gemma 3's TRITON_ATTN) or none is allocated (gpt-oss's sinks)."""
-    if setup.compute_capability[0] != 9 or config.model_type in ("gemma3", "gpt_oss"):
+    if setup.gpu.compute_capability[0] != 9 or config.model_type in ("gemma3", "gpt_oss"):
         return 0
     heads = max(1, config.num_attention_heads // setup.tensor_parallel_size)
     if getattr(config, "kv_lora_rank", None):

@@ -133,7 +133,9 @@ CASES = [
           "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "dense, multimodal (its language model; vision tower not "
           "counted)", non_torch=0.25, weights=44.76, activation=2.03, kv=28.19, tokens=184752, graphs=1.06),
     _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-          "meta-llama/Llama-4-Scout-17B-16E-Instruct", "MoE, chunked local attention (hybrid)", tp=4, non_torch=2.17,
+          "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+          "MoE, chunked local attention (hybrid), multimodal (its language model; vision tower not counted)",
+          tp=4, non_torch=2.17,
           weights=53.12, activation=3.19, kv=16.75, tokens=365968, graphs=1.13),
     _case("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log", "deepseek-ai/DeepSeek-V2-Lite",
           "deepseek-ai/DeepSeek-V2-Lite-Chat", "MoE, MLA (compressed latent cached)", non_torch=0.26, weights=29.43,

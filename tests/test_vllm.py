@@ -13,6 +13,7 @@ from tiny_models import tiny_model
 
 from analysis.vllm import VllmSetup, vllm_startup
 from tracer.errors import UserError
+from tracer.gpus import Gpu, find_gpu
 from tracer.units import GIB
 
 
@@ -90,13 +91,13 @@ def test_mxfp4_experts_of_gpt_oss():
 
 # A Llama whose projections every kernel's tiles fit: hidden 256 (4 heads of 64, 2 key/value heads), intermediate 512
 WNA16_SHAPE = dict(hidden_size=256, intermediate_size=512)
-HOPPER, AMPERE = (9, 0), (8, 0)
+HOPPER, AMPERE, VOLTA = find_gpu("h100"), find_gpu("a100-80gb"), find_gpu("v100-32gb")
 
 
-def _wna16(quantization: dict, capability: tuple[int, int], tp: int = 1, family: str = "llama", **shape):
+def _wna16(quantization: dict, gpu: Gpu, tp: int = 1, family: str = "llama", **shape):
     """The quantized checkpoint's weights and the same model's in fp16, on one rank."""
     shape = shape or WNA16_SHAPE
-    setup = VllmSetup(gpu_memory_bytes=GIB, dtype=torch.float16, tensor_parallel_size=tp, compute_capability=capability)
+    setup = VllmSetup(gpu_memory_bytes=GIB, dtype=torch.float16, tensor_parallel_size=tp, gpu=gpu)
     quantized = tiny_model(family, quantization_config=quantization, **shape).config
     return vllm_startup(quantized, setup).weights, vllm_startup(tiny_model(family, **shape).config, setup).weights
 
@@ -189,8 +190,8 @@ def test_awq_layer_marlin_refuses_falls_back_to_the_awq_kernel():
         (GPTQ | {"dynamic": {"-:.*mlp.*": {}}}, {}, "dynamic per-module overrides"),
         (AWQ | {"version": "gemv"}, {}, "GEMM-packed"),
         (AWQ | {"zero_point": False}, {}, "older awq kernels"),
-        (AWQ, {"compute_capability": (7, 0)}, "need sm75"),
-        (GPTQ, {"compute_capability": AMPERE, "tensor_parallel_size": 4}, "neither Machete nor Marlin"),
+        (AWQ, {"gpu": VOLTA}, "need sm75"),
+        (GPTQ, {"gpu": AMPERE, "tensor_parallel_size": 4}, "neither Machete nor Marlin"),
         ({"quant_method": "bitsandbytes"}, {}, "published quantized (bitsandbytes)"),
         (GPTQ, {"quantization": "fp8"}, "already quantized"),
     ],
@@ -330,9 +331,8 @@ def test_cuda_graphs_pool_is_the_largest_captures_working_set():
     assert startup.process_bytes == startup.requested_bytes + graphs.pool_bytes
     _, small = _startup("llama", max_num_seqs=2, max_num_batched_tokens=8192)
     assert small.graphs.sizes == (1, 2, 4)
-    _, ampere = _startup("llama", compute_capability=(8, 0))
+    _, ampere = _startup("llama", gpu=AMPERE)
     assert ampere.graphs.pool_bytes == ampere.graphs.pool_parts["PIECEWISE"]  # no FA3 before Hopper
-    assert ampere.kv_cache_bytes == startup.kv_cache_bytes
 
 
 def test_serve_reports_the_graphs(tmp_path, capsys):

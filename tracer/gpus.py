@@ -44,6 +44,9 @@ class Gpu:
     # torch.cuda.get_device_properties().L2_cache_size, the buffer inductor's autotuner flushes the L2 with
     # (analysis/cudagraphs.py); None where not known
     l2_cache_bytes: int | None = None
+    # torch.cuda.get_device_properties().multi_processor_count: the programs vLLM's Triton top-k/top-p kernel runs
+    # (analysis/vllm.py); see MULTIPROCESSOR_SOURCES
+    multiprocessors: int = 0
 
     def peak_flops(self, compute_dtype: str) -> float:
         """Peak FLOP/s of matmuls in ``compute_dtype`` ("bfloat16", "float16", "float32")."""
@@ -92,10 +95,33 @@ TOTAL_MEMORY_SOURCES = {
     "mi300x": "191.98 GiB: a ROCm out-of-memory message on an MI300X (weak: repository not resolved)",
 }
 
+# torch.cuda.get_device_properties().multi_processor_count (CUDA deviceQuery's "Multiprocessors"; ROCm's compute
+# units), each from a printout of the device itself where one was found
+MULTIPROCESSOR_SOURCES = {
+    "v100-16gb": "80: deviceQuery of a Tesla V100-SXM2-16GB, github.com/ULHPC/ulhpc-docs docs/containers/index.md",
+    "v100-32gb": "80: deviceQuery of a Tesla V100-SXM2-32GB, github.com/felicepantaleo/kseta-22 "
+    "docs/parallelism/cuda.md",
+    "t4": "40: TensorFlow's device log (coreCount: 40), github.com/tensorflow/tensorrt/issues/169",
+    "a10g": "80 (the A10 has 72): torch's properties of an NVIDIA A10G in github.com/meta-pytorch/torchcodec's CUDA "
+    "decoding example",
+    "rtx3090": "82: deviceQuery, github.com/thamada/nvidia-smi gls/RTX3090_deviceQuery.py",
+    "l4": "58: deviceQuery, github.com/thamada/nvidia-smi gls/L4_deviceQuery.py",
+    "rtx4090": "128: deviceQuery, github.com/aikitoria/open-gpu-kernel-modules/issues/1",
+    "l40s": "142: deviceQuery, github.com/alvarobartt/cuda-device-query README.md",
+    "a100-40gb": "108: deviceQuery of an A100-SXM4-40GB, github.com/bottlerocket-os/bottlerocket/pull/3873",
+    "a100-80gb": "108: deviceQuery of an A100-SXM4-80GB, github.com/thamada/nvidia-smi gls/A100SXMx4_deviceQuery.py",
+    "h100": "132: deviceQuery of an H100 80GB HBM3, github.com/thamada/nvidia-smi nvsim/H100SXMx8_deviceQuery.py "
+    "(the PCIe card has 114)",
+    "h200": "132: torch's properties of an NVIDIA H200, github.com/ai-bot-pro/achatbot "
+    "deploy/modal/src/llm/vllm/vlm/skywork_r1v.py",
+    "b200": "148: torch's properties of an NVIDIA B200, github.com/ai-bot-pro/achatbot (the same file)",
+    "mi300x": "304 compute units: torch's properties of an MI300X, github.com/ROCm/ROCm/issues/4203",
+}
+
 GPUS: tuple[Gpu, ...] = (
-    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), _gib(15.78), None, 125, 15.7, 900, NVLINK_2, 150),
-    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), _gib(31.74), None, 125, 15.7, 900, NVLINK_2, 150),
-    Gpu("t4", "NVIDIA T4", (7, 5), _gib(14.75), None, 65, 8.1, 320, PCIE_3, PCIE_3_X16_GBPS),
+    Gpu("v100-16gb", "NVIDIA V100 16GB", (7, 0), _gib(15.78), None, 125, 15.7, 900, NVLINK_2, 150, multiprocessors=80),
+    Gpu("v100-32gb", "NVIDIA V100 32GB", (7, 0), _gib(31.74), None, 125, 15.7, 900, NVLINK_2, 150, multiprocessors=80),
+    Gpu("t4", "NVIDIA T4", (7, 5), _gib(14.75), None, 65, 8.1, 320, PCIE_3, PCIE_3_X16_GBPS, multiprocessors=40),
     Gpu(
         "a10g",
         "NVIDIA A10G",
@@ -108,20 +134,69 @@ GPUS: tuple[Gpu, ...] = (
         PCIE_4,
         PCIE_4_X16_GBPS,
         note="AWS part without an NVIDIA datasheet: throughput as AWS quotes it for G5 instances",
+        multiprocessors=80,
     ),
-    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), _gib(23.70), 71, 71, 35.6, 936, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("l4", "NVIDIA L4", (8, 9), 23_034 * 1024**2, 121, 121, 30.3, 300, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), _gib(23.64), 165.2, 165.2, 82.6, 1008, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("l40s", "NVIDIA L40S", (8, 9), _gib(44.42), 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS),
-    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), _gib(39.50), 312, 312, 19.5, 1555, NVLINK_3, 300),
-    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), _gib(79.14), 312, 312, 19.5, 2039, NVLINK_3, 300),
+    Gpu(
+        "rtx3090",
+        "NVIDIA GeForce RTX 3090",
+        (8, 6),
+        _gib(23.70),
+        71,
+        71,
+        35.6,
+        936,
+        PCIE_4,
+        PCIE_4_X16_GBPS,
+        multiprocessors=82,
+    ),
+    Gpu("l4", "NVIDIA L4", (8, 9), 23_034 * 1024**2, 121, 121, 30.3, 300, PCIE_4, PCIE_4_X16_GBPS, multiprocessors=58),
+    Gpu(
+        "rtx4090",
+        "NVIDIA GeForce RTX 4090",
+        (8, 9),
+        _gib(23.64),
+        165.2,
+        165.2,
+        82.6,
+        1008,
+        PCIE_4,
+        PCIE_4_X16_GBPS,
+        multiprocessors=128,
+    ),
+    Gpu("l40s", "NVIDIA L40S", (8, 9), _gib(44.42), 362, 362, 91.6, 864, PCIE_4, PCIE_4_X16_GBPS, multiprocessors=142),
+    Gpu("a100-40gb", "NVIDIA A100 40GB", (8, 0), _gib(39.50), 312, 312, 19.5, 1555, NVLINK_3, 300, multiprocessors=108),
+    Gpu("a100-80gb", "NVIDIA A100 80GB", (8, 0), _gib(79.14), 312, 312, 19.5, 2039, NVLINK_3, 300, multiprocessors=108),
     # L2: 50 MiB on the H100 SXM5 (NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3); the H200's
     # 60 MiB is the flush buffer its autotuner allocated (benchmarks/ground_truth/data/nvidia-h200, torch 2.11)
     Gpu(
-        "h100", "NVIDIA H100 80GB", (9, 0), _gib(79.18), 989, 989, 67, 3350, NVLINK_4, 450, l2_cache_bytes=50 * 1024**2
+        "h100",
+        "NVIDIA H100 80GB",
+        (9, 0),
+        _gib(79.18),
+        989,
+        989,
+        67,
+        3350,
+        NVLINK_4,
+        450,
+        l2_cache_bytes=50 * 1024**2,
+        multiprocessors=132,
     ),
-    Gpu("h200", "NVIDIA H200", (9, 0), _gib(139.80), 989, 989, 67, 4800, NVLINK_4, 450, l2_cache_bytes=60 * 1024**2),
-    Gpu("b200", "NVIDIA B200", (10, 0), _gib(178.35), 2250, 2250, 75, 8000, NVLINK_5, 900),
+    Gpu(
+        "h200",
+        "NVIDIA H200",
+        (9, 0),
+        _gib(139.80),
+        989,
+        989,
+        67,
+        4800,
+        NVLINK_4,
+        450,
+        l2_cache_bytes=60 * 1024**2,
+        multiprocessors=132,
+    ),
+    Gpu("b200", "NVIDIA B200", (10, 0), _gib(178.35), 2250, 2250, 75, 8000, NVLINK_5, 900, multiprocessors=148),
     Gpu(
         "mi300x",
         "AMD Instinct MI300X",
@@ -134,6 +209,7 @@ GPUS: tuple[Gpu, ...] = (
         "Infinity Fabric (896 GB/s)",
         448,
         note="ROCm: the trace assumes CUDA sm90 kernels and workspaces, which ROCm's differ from",
+        multiprocessors=304,
     ),
 )
 

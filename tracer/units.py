@@ -13,6 +13,11 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def next_power_of_2(value: int) -> int:
+    """The smallest power of two at least ``value`` (1 for 0), as Triton's ``next_power_of_2``."""
+    return 1 << max(value - 1, 0).bit_length()
+
+
 def format_bytes(nbytes: int, decimals: int = 3) -> str:
     """Binary units, three decimals unless told: "12.345 GiB", "512.000 MiB", "4.0 KiB"."""
     if abs(nbytes) >= GIB:

@@ -1,0 +1,34 @@
+"""``serve --engine vllm`` against the published vLLM 0.19.0 start-up logs of benchmarks/vllm_published.py: the
+profile run's activation peak ("torch peak memory increase", printed to 0.01 GiB) and the KV cache in tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.vllm_published import CASES, estimate
+from tracer.gpus import GPUS, MULTIPROCESSOR_SOURCES
+from tracer.units import GIB
+
+# vLLM also profiles a multimodal checkpoint's vision encoder and loads its vision tower, neither modelled
+# (docs/limits.md): those cases are left out of the activation check
+LANGUAGE_ONLY = [case for case in CASES if "multimodal" not in case.kind]
+PRINTED = 0.01 * GIB  # the log's last digit
+KV_TOKENS_TOLERANCE = 0.05  # issue 19's bar; the error is the weights' and the activation's, in a smaller KV cache
+
+
+@pytest.mark.parametrize("case", LANGUAGE_ONLY, ids=[case.log for case in LANGUAGE_ONLY])
+def test_profile_run_peak_matches_the_log(case):
+    startup = estimate(case)
+    assert abs(startup.activation_peak_bytes - case.activation * GIB) <= PRINTED, startup.activation_parts
+
+
+@pytest.mark.parametrize("case", LANGUAGE_ONLY, ids=[case.log for case in LANGUAGE_ONLY])
+def test_kv_cache_tokens_match_the_log(case):
+    tokens = estimate(case).kv_cache_tokens
+    assert abs(tokens - case.tokens) <= KV_TOKENS_TOLERANCE * case.tokens
+
+
+def test_every_gpu_states_its_multiprocessors_and_where_the_count_comes_from():
+    assert set(MULTIPROCESSOR_SOURCES) == {gpu.name for gpu in GPUS}
+    for gpu in GPUS:
+        assert MULTIPROCESSOR_SOURCES[gpu.name].startswith(f"{gpu.multiprocessors}"), gpu.name
