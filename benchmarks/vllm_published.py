@@ -29,6 +29,7 @@ import torch
 from tabulate import tabulate
 
 from analysis.vllm import VllmSetup, vllm_startup
+from tracer.gpus import find_gpu
 from tracer.resolve import resolve_model
 from tracer.units import GIB
 
@@ -154,6 +155,50 @@ NOT_REPRODUCED = [
 ]  # fmt: skip
 
 
+# AWQ checkpoints' "Model loading took X GiB" from vLLM logs users posted at INFO level (no memory snapshot, profile
+# or non-torch lines: only the weights are checked). Each names its checkpoint, its TP size, "Using awq_marlin
+# kernel" and fp16; none is on Hopper, so every layer runs on Marlin. The quantization_config is AutoAWQ's GEMM
+# format as the checkpoints publish it (4-bit, groups of 128, zero points: TechxGenus/Meta-Llama-3-70B-AWQ's
+# config.json); the bundled 16-bit config of the same architecture stands for the model.
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+
+
+@dataclass(frozen=True)
+class LoggedWeights:
+    source: str
+    model: str
+    served: str
+    tp: int
+    gpu: str  # a GPU of the logged compute capability: it picks the kernel
+    weights: str  # "Model loading took X GiB" as printed (5.2, or 18.55)
+
+    @property
+    def printed_to(self) -> float:
+        """Half the printed figure's last digit, in GiB."""
+        return 0.5 * 10 ** -len(self.weights.partition(".")[2])
+
+
+AWQ_WEIGHTS = [
+    LoggedWeights("vLLM 0.16.0 on 2 NVIDIA L40S, a public lab note 'Lab 1 - vLLM OpenAI Server: Llama 3 70B Instruct "
+                  "(AWQ) on NVIDIA L40S (TP=2)' (02-27)", "meta-llama/Llama-3.1-70B",
+                  "TechxGenus/Meta-Llama-3-70B-Instruct-AWQ", 2, "l40s", "18.55"),
+    LoggedWeights("vLLM 0.17.0 on 2 GPUs of capability 8.9, a public log of `vllm serve /models/Qwen/Qwen3-8B-AWQ "
+                  "--tensor-parallel-size 2` (05-11)", "Qwen/Qwen3-8B", "Qwen/Qwen3-8B-AWQ", 2, "l40s", "2.85"),
+    LoggedWeights("vLLM 0.19.0 offline LLM() on Windows, one GPU ('Using MarlinLinearKernel for "
+                  "AWQMarlinLinearMethod'), a public note on Qwen2.5-7B-Instruct-AWQ (04-20)", "Qwen/Qwen2.5-7B",
+                  "Qwen/Qwen2.5-7B-Instruct-AWQ", 1, "rtx4090", "5.2"),
+]  # fmt: skip
+
+
+def estimate_weights(case: LoggedWeights) -> int:
+    """The weights one rank loads, in bytes."""
+    gpu = find_gpu(case.gpu)
+    setup = VllmSetup(gpu.memory_bytes, tensor_parallel_size=case.tp, dtype=torch.float16, gpu=gpu)
+    config = copy.deepcopy(resolve_model(case.model).config)
+    config.quantization_config = AWQ
+    return vllm_startup(config, setup).weights.total
+
+
 def estimate(case: Logged):
     setup = VllmSetup(
         gpu_memory_bytes=int(TOTAL_MEMORY_GIB * GIB),
@@ -222,6 +267,12 @@ def main() -> None:
     print("\nNot reproduced:")
     for log, why in NOT_REPRODUCED:
         print(f"  {log}: {why}")
+    weights = [
+        (case.served, case.tp, f"{case.weights} / {estimate_weights(case) / GIB:.3f}", case.source)
+        for case in AWQ_WEIGHTS
+    ]
+    print("\nAWQ checkpoints, the weights per GPU only (INFO-level logs; logged / estimated GiB):\n")
+    print(tabulate(weights, ["served", "TP", "weights GiB", "log"], tablefmt="github" if args.markdown else "simple"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_published import CASES, estimate
+from benchmarks.vllm_published import AWQ_WEIGHTS, CASES, estimate, estimate_weights
 from tracer.gpus import GPUS, MULTIPROCESSOR_SOURCES
 from tracer.units import GIB
 
@@ -26,6 +26,13 @@ def test_profile_run_peak_matches_the_log(case):
 def test_kv_cache_tokens_match_the_log(case):
     tokens = estimate(case).kv_cache_tokens
     assert abs(tokens - case.tokens) <= KV_TOKENS_TOLERANCE * case.tokens
+
+
+@pytest.mark.parametrize("case", AWQ_WEIGHTS, ids=[case.served for case in AWQ_WEIGHTS])
+def test_awq_weights_match_the_log(case):
+    """Three INFO-level logs of AWQ checkpoints on Marlin, TP 1 and 2: "Model loading took X GiB", to its last digit
+    (5.2 GiB printed with one decimal)."""
+    assert abs(estimate_weights(case) - float(case.weights) * GIB) <= case.printed_to * GIB
 
 
 def test_every_gpu_states_its_multiprocessors_and_where_the_count_comes_from():
