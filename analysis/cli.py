@@ -196,7 +196,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         gpu=gpu,
     )
-    startup = vllm_startup(model.config, setup)
+    startup = vllm_startup(model.config, setup, model.multimodal)
     print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))
     return 0
 

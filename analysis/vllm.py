@@ -74,11 +74,12 @@ lower bound of the logged one; the graphs captured are counted beside it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from analysis.vllm_weights import VOCAB_PADDING, WNA16, RankWeights, rank_weights
+from analysis.vllm_weights import VOCAB_PADDING, WNA16, RankWeights, rank_weights, vision_bytes
 from tracer.cuda.workspaces import cublas_workspace_bytes
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
@@ -177,8 +178,9 @@ class VllmStartup:
         return self.num_blocks / blocks_per_request
 
 
-def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
-    """vLLM's start-up memory on one tensor-parallel rank of ``config`` served with ``setup``."""
+def vllm_startup(config, setup: VllmSetup, multimodal=None) -> VllmStartup:
+    """vLLM's start-up memory on one tensor-parallel rank of ``config`` served with ``setup``; ``multimodal``: the
+    whole config of a checkpoint whose language model ``config`` is, whose vision tower vLLM loads too."""
     from transformers import AutoModelForCausalLM
 
     _check(config, setup)
@@ -201,12 +203,14 @@ def vllm_startup(config, setup: VllmSetup) -> VllmStartup:
             f"({config.max_position_embeddings}); vLLM refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1."
         )
     parts = profile_peak(config, setup, dtype.itemsize)
+    tp = setup.tensor_parallel_size
+    weights = rank_weights(model, config, tp, setup.quantization or method, setup.gpu.compute_capability)
+    if multimodal is not None:
+        weights = dataclasses.replace(weights, vision_bytes=vision_bytes(multimodal, tp, dtype))
     return VllmStartup(
         setup,
         max_model_len,
-        rank_weights(
-            model, config, setup.tensor_parallel_size, setup.quantization or method, setup.gpu.compute_capability
-        ),
+        weights,
         max(parts.values()),
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
@@ -432,6 +436,8 @@ def render_startup(model, startup: VllmStartup) -> str:
 
     kinds = ", ".join(f"{count} {kind}" for kind, count in startup.layout.kinds.items())
     kernels = "".join(f", {count} layers on {kernel}" for kernel, count in startup.weights.kernels.items())
+    if startup.weights.vision_bytes:
+        kernels += f", vision tower and projector {gib(startup.weights.vision_bytes)}"
     window = f", window {startup.layout.sliding_window}" if startup.layout.sliding_window else ""
     lines = [
         f"{model.model_id} served by vLLM (V1 engine), tensor parallel {setup.tensor_parallel_size}; per GPU:",

@@ -157,13 +157,33 @@ _REPLICATED = re.compile(r"\.(gate|router|q_a_proj|kv_a_proj_with_mqa)\.(weight|
 
 @dataclass(frozen=True)
 class RankWeights:
-    parameter_bytes: int  # the rank's share of every parameter
-    rotary_bytes: int  # the cos/sin cache get_rope keeps
+    parameter_bytes: int  # the rank's share of every parameter of the language model
+    rotary_bytes: int  # the cos/sin caches get_rope keeps
     kernels: dict[str, int] = field(default_factory=dict)  # GPTQ/AWQ: vLLM's kernel -> how many layers run on it
+    vision_bytes: int = 0  # a multimodal checkpoint's vision tower and projector
 
     @property
     def total(self) -> int:
-        return self.parameter_bytes + self.rotary_bytes
+        return self.parameter_bytes + self.rotary_bytes + self.vision_bytes
+
+
+def vision_bytes(multimodal, tp: int, dtype: torch.dtype) -> int:
+    """The vision tower and the projector of a multimodal checkpoint, which vLLM loads beside its language model,
+    on one of ``tp`` ranks: the weights of their linear layers split over the ranks (vLLM's vision encoders and
+    projectors build them as ``QKVParallelLinear``, ``ColumnParallelLinear`` and ``RowParallelLinear``:
+    gemma3_mm.py's SigLIP, pixtral.py, mllama4.py), everything else (norms, embeddings, biases) whole."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(multimodal, dtype=dtype)
+    language = {id(parameter) for parameter in model.get_decoder().parameters()}
+    language |= {id(parameter) for parameter in model.get_output_embeddings().parameters()}
+    split = {id(module.weight) for module in model.modules() if isinstance(module, nn.Linear)}
+    return sum(
+        (parameter.numel() // tp if id(parameter) in split else parameter.numel()) * parameter.element_size()
+        for parameter in model.parameters()
+        if id(parameter) not in language
+    )
 
 
 @dataclass(frozen=True)
@@ -486,8 +506,18 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def _rotary_bytes(config, dtype: torch.dtype) -> int:
+    """vLLM's cos/sin caches, one per distinct rope (``get_rope`` shares one among the layers that ask for the same):
+    ``max_position_embeddings`` positions of the rotary dim each, times the factor for linear scaling
+    (``LinearScalingRotaryEmbedding``: ``max_position x scaling_factor``). Gemma 3's sliding and full layers have
+    one each."""
     head_dim = getattr(config, "qk_rope_head_dim", None) or getattr(config, "head_dim", None)
     head_dim = head_dim or config.hidden_size // config.num_attention_heads
     rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
     positions = getattr(config, "max_position_embeddings", 0) or 0
-    return positions * rotary_dim * dtype.itemsize
+    ropes = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = ropes and all(isinstance(rope, dict) for rope in ropes.values())
+    distinct = {repr(sorted(rope.items())): rope for rope in (ropes.values() if per_layer_type else [ropes])}
+    lengths = [
+        positions * (rope.get("factor", 1) if rope.get("rope_type") == "linear" else 1) for rope in distinct.values()
+    ]
+    return int(sum(lengths or [positions])) * rotary_dim * dtype.itemsize

@@ -131,21 +131,21 @@ CASES = [
           "sliding window (hybrid)", non_torch=0.25, weights=17.22, activation=3.65, kv=54.12, tokens=168880,
           graphs=1.09),
     _case("mistralai-mistral-small---h100-80gb--tp1pp1dp1--8192.log", "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
-          "mistralai/Mistral-Small-3.1-24B-Instruct-2503", "dense, multimodal (its language model; vision tower not "
-          "counted)", non_torch=0.25, weights=44.76, activation=2.03, kv=28.19, tokens=184752, graphs=1.06),
+          "mistralai/Mistral-Small-3.1-24B-Instruct-2503",
+          "dense, multimodal (its vision encoder's profile run not modelled)", non_torch=0.25, weights=44.76,
+          activation=2.03, kv=28.19, tokens=184752, graphs=1.06),
     _case("meta-llama-llama-4-scout--h100-80gb--tp4pp1dp1--8192.log", "meta-llama/Llama-4-Scout-17B-16E-Instruct",
           "meta-llama/Llama-4-Scout-17B-16E-Instruct",
-          "MoE, chunked local attention (hybrid), multimodal (its language model; vision tower not counted)",
-          tp=4, non_torch=2.17,
-          weights=53.12, activation=3.19, kv=16.75, tokens=365968, graphs=1.13),
+          "MoE, chunked local attention (hybrid), multimodal (its vision encoder's profile run not modelled)",
+          tp=4, non_torch=2.17, weights=53.12, activation=3.19, kv=16.75, tokens=365968, graphs=1.13),
     _case("deepseek-ai-deepseek-v2---h100-80gb--tp1pp1dp1--8192.log", "deepseek-ai/DeepSeek-V2-Lite",
           "deepseek-ai/DeepSeek-V2-Lite-Chat", "MoE, MLA (compressed latent cached)", non_torch=0.26, weights=29.43,
           activation=1.93, kv=43.61, tokens=1505552, graphs=1.57),
     _case("google-gemma-3-4b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-4b-it", "google/gemma-3-4b-it",
-          "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.25,
+          "sliding window (hybrid), multimodal (its vision encoder's profile run not modelled)", non_torch=0.25,
           weights=8.58, activation=3.89, kv=62.51, tokens=468144, graphs=0.67),
     _case("google-gemma-3-27b-it--h100-80gb--tp1pp1dp1--8192.log", "google/gemma-3-27b-it", "google/gemma-3-27b-it",
-          "sliding window (hybrid), multimodal (its language model; vision tower not counted)", non_torch=0.26,
+          "sliding window (hybrid), multimodal (its vision encoder's profile run not modelled)", non_torch=0.26,
           weights=51.45, activation=3.99, kv=19.53, tokens=36560, graphs=1.14),
 ]  # fmt: skip
 NOT_REPRODUCED = [
@@ -212,10 +212,11 @@ def estimate(case: Logged):
         quantization=case.quantization,
         dtype=case.dtype,
     )
-    config = copy.deepcopy(resolve_model(case.model).config)
+    model = resolve_model(case.model)
+    config = copy.deepcopy(model.config)
     if case.quantization_config:
         config.quantization_config = case.quantization_config
-    return vllm_startup(config, setup)
+    return vllm_startup(config, setup, model.multimodal)
 
 
 def main() -> None:

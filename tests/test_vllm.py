@@ -342,3 +342,11 @@ def test_serve_reports_the_graphs(tmp_path, capsys):
     code, out, _ = _run(capsys, "serve", str(_config_file(tmp_path)), "--gpu-memory", "1GiB", "--json")
     report = json.loads(out)
     assert report["process_bytes_at_least"] == report["requested_bytes"] + report["cuda_graph_pool_bytes"]
+
+
+def test_serve_counts_a_multimodal_checkpoints_vision_tower(capsys):
+    """vLLM loads the vision tower and projector beside the language model (logs: benchmarks/vllm_published.py)."""
+    code, out, _ = _run(capsys, "serve", "google/gemma-3-4b-it", "--max-model-len", "8192")
+    assert code == 0 and "vision tower and projector" in out
+    code, out, _ = _run(capsys, "serve", "google/gemma-3-1b-it", "--max-model-len", "8192")  # text only
+    assert code == 0 and "vision tower" not in out

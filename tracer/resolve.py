@@ -39,6 +39,8 @@ class ResolvedModel:
     model_id: str
     config: PretrainedConfig
     source: str  # where the config came from, for the report
+    # A multimodal checkpoint's whole config, of which ``config`` is the language model: serve counts its vision tower
+    multimodal: PretrainedConfig | None = None
     loss_fn: ClassVar[None] = None
 
     def build(self, setup: TrainingSetup) -> nn.Module:
@@ -88,8 +90,20 @@ def resolve_model(model_id: str) -> ResolvedModel:
 
 
 def _resolved(model_id: str, data: Any, where: str, source: str) -> ResolvedModel:
-    data, how = language_model(data, where)
-    return ResolvedModel(model_id, config_from_dict(data, where), source + (f"; {how}" if how else ""))
+    text, how = language_model(data, where)
+    config = config_from_dict(text, where)
+    return ResolvedModel(model_id, config, source + (f"; {how}" if how else ""), _multimodal(data, text))
+
+
+def _multimodal(data: Any, text: Any) -> PretrainedConfig | None:
+    """The whole config of a checkpoint that nests its language model beside a vision tower, where transformers
+    builds it; None otherwise."""
+    if text is data or "vision_config" not in data:
+        return None
+    try:
+        return AutoConfig.for_model(**data)
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def language_model(data: Any, where: str) -> tuple[Any, str | None]:
