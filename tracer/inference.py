@@ -270,18 +270,17 @@ class _Sampling:
         """The cache, ids and kwargs as ``tokens`` more iterations leave them."""
         if tokens == 0:
             return
-        cache = self.kwargs[CACHE_KWARG]
         if grow_cache:
-            _grow(cache, tokens)
+            _grow(self.cache, tokens)
         self.ids = torch.cat([self.ids, self.ids.new_zeros((self.ids.shape[0], tokens))], dim=-1)
-        grown = CausalLMOutputWithPast(**{CACHE_KWARG: cache})
+        grown = CausalLMOutputWithPast(**{CACHE_KWARG: self.cache})
         self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
 
 
 def _lengths_traced(first: int, last: int, refill: int | None) -> list[int]:
     """The ids' lengths at the forwards traced after the prefill, which run at ``first`` to ``last``: the last,
     where the cache is longest, and the one at ``refill``, where the model may drop the cache and run the whole
-    sequence again (:func:`_drops_cache`). When that is the last forward, the longest decode step is the one
+    sequence again (:func:`_next_inputs`). When that is the last forward, the longest decode step is the one
     before it."""
     if refill is None or not first <= refill <= last:
         return [last]
