@@ -520,4 +520,4 @@ def _rotary_bytes(config, dtype: torch.dtype) -> int:
     lengths = [
         positions * (rope.get("factor", 1) if rope.get("rope_type") == "linear" else 1) for rope in distinct.values()
     ]
-    return int(sum(lengths or [positions])) * rotary_dim * dtype.itemsize
+    return int(sum(lengths)) * rotary_dim * dtype.itemsize
