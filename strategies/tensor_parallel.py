@@ -25,7 +25,10 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
   slice of the intermediate dimension, on its local weights, and sums the partial outputs with an in-place
   all-reduce (``_AllReduceForward``). In backward the gradients of the experts' input and routing weights are such
   partial sums, all-reduced in place as they leave (``_AllReduceBackward``); the weights' gradients are the rank's
-  slices. The same in training (the rest of the plan then DTensor's, as above) and at inference.
+  slices. The same in training (the rest of the plan then DTensor's, as above) and at inference. Experts stored
+  input-first (Llama 4's, run through ``bmm``) get ``packed_rowwise`` on ``gate_up_proj`` and ``colwise`` on
+  ``down_proj`` instead, which split the same intermediate features; Llama 4 trains under none of this
+  (:data:`ADDS_INTO_ROWWISE_OUTPUT`).
 
 Activations follow from the weights: the step is walked in op order and each new storage gets the share
 of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a slice from a full input,
@@ -76,9 +79,10 @@ EMBEDDING_ROWWISE = "embedding_rowwise"
 COLWISE_GATHER_OUTPUT = "colwise_gather_output"
 ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
+PACKED_ROWWISE = "packed_rowwise"
 MOE_TP_EXPERTS = "moe_tp_experts"
 # The styles of a MoE layer's experts: the module's, and its packed expert weights' (3-D parameters named in the plan).
-MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE)
+MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE)
 # Decoder-layer styles that gather a layer's output or take its input whole (Phi-3, OLMoE, Qwen3-Next's linear
 # attention).
 WHOLE_ACTIVATION_STYLES = (COLWISE_GATHER_OUTPUT, ROWWISE_SPLIT_INPUT)
@@ -88,12 +92,20 @@ DECODER_STYLES = (COLWISE, ROWWISE, *MOE_STYLES, *WHOLE_ACTIVATION_STYLES)
 # heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
+# Models whose forward adds in place into a row-wise layer's output (Llama 4's shared expert): autograd refuses it on
+# the view DTensor's to_local() returns, so only their inference runs tensor parallel.
+ADDS_INTO_ROWWISE_OUTPUT = ("llama4_text",)
+
 # Which dimension of a style's weight and bias is split (None: replicated).
 _WEIGHT_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: 1, ROWWISE_SPLIT_INPUT: 1, EMBEDDING_ROWWISE: 0}
 _BIAS_DIM = {COLWISE: 0, COLWISE_GATHER_OUTPUT: 0, ROWWISE: None, ROWWISE_SPLIT_INPUT: None, EMBEDDING_ROWWISE: None}
-# Which dimension of an expert weight (experts x out x in, a parameter the plan names) is split: PackedColwiseParallel's
-# output features, RowwiseParallel's Shard(-1).
-_EXPERT_WEIGHT_DIM = {PACKED_COLWISE: 1, ROWWISE: 2}
+# Which dimension of an expert weight (a 3-D parameter the plan names) is split. Stored experts x out x in (Qwen3-MoE,
+# Mixtral, DeepSeek-V3): PackedColwiseParallel's output features, RowwiseParallel's Shard(-1). Stored experts x in x
+# out (Llama 4, Aria), the plan swaps the styles: PackedRowwiseParallel's _StridedShard(-1) on the gate and up
+# features, ColwiseParallel's Shard(ndim - 2) on the down projection's input features.
+_EXPERT_WEIGHT_DIM = {PACKED_COLWISE: 1, ROWWISE: 2, PACKED_ROWWISE: 2, COLWISE: 1}
+# Styles of packed gate and up halves, each split alike (a split factor of 2).
+_PACKED = (PACKED_COLWISE, PACKED_ROWWISE)
 # Projections whose output holds the keys: a plan that splits one column-wise splits the cache's heads too
 # (transformers' get_kv_heads_per_rank, distributed/tensor_parallel.py).
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
@@ -184,6 +196,14 @@ class TensorParallel:
                 raise UserError(f"--tp {self.degree} must divide the {heads} attention heads of this model.")
             if kv_heads % self.degree:
                 raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
+        if not self.inference and getattr(config, "model_type", None) in ADDS_INTO_ROWWISE_OUTPUT:
+            raise UserError(
+                f"--tp in training: {name}'s MoE layer adds the routed experts' output into its shared expert's in "
+                "place (out.add_ in its forward), and the shared expert's row-wise down projection returns a view "
+                "DTensor made: autograd refuses the in-place add, so tensor-parallel training of this model stops "
+                "in transformers (5.17 to 5.24) and in parallelize_module alike. Use --tp 1 with FSDP (--zero 3); "
+                "--mode inference --tp runs."
+            )
         # the token embedding's "embedding_rowwise" (GPT-NeoX's plan from transformers 5.24) is the vocabulary-parallel
         # embedding every plan gets here
         modelled = (*DECODER_STYLES, EMBEDDING_ROWWISE, REPLICATED_WITH_GRAD_ALLREDUCE)
@@ -496,7 +516,7 @@ class _TensorParallel:
         style = self.plan.style_of(row.param)
         if style is not None and len(row.shape) == 3:
             dim = _EXPERT_WEIGHT_DIM.get(style)
-            halves = 2 if style == PACKED_COLWISE else 1  # the gate and up halves split alike
+            halves = 2 if style in _PACKED else 1
             if dim is not None and row.shape[dim] % (halves * self.plan.degree):
                 raise UserError(
                     f"--tp {self.plan.degree} must divide the experts' intermediate size ({row.shape[dim] // halves}) "

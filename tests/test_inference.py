@@ -235,6 +235,17 @@ def test_tensor_parallel_generate_across_the_longrope_switch():
     _check_tensor_parallel("phi3", _inference(seq_len=24, max_new_tokens=24), 2, intermediate_size=1024, **overrides)
 
 
+@pytest.mark.parametrize("shape", [PREFILL_PEAK, DECODE_PEAK], ids=["prefill-peak", "decode-peak"])
+@pytest.mark.parametrize("degree", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_tensor_parallel_experts_stored_input_first(degree, shape):
+    """Llama 4's experts are stored experts x in x out and run through bmm: its plan swaps the styles of their
+    weights (packed_rowwise on gate_up_proj: the gate and up features of its last dimension; colwise on down_proj:
+    its input features), each rank running every expert on its slice of the intermediate size, the outputs
+    all-reduced in place. Eight experts on every token in every layer, their weights most of the model."""
+    experts = {"num_local_experts": 8, "intermediate_size": 128, "interleave_moe_layer_step": 1}
+    _check_tensor_parallel("llama4_text", _inference(**shape), degree, **experts)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_tensor_parallel_moe_without_attention_plan(cache):

@@ -10,7 +10,7 @@ from tiny_models import EXPERTS_DOMINATE, tiny_model
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
-from strategies.tensor_parallel import megatron_plan, tensor_parallel
+from strategies.tensor_parallel import TensorParallel, megatron_plan, tensor_parallel
 from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.modules import model_structure
@@ -245,6 +245,18 @@ def test_gathered_projections_match_the_runtime(family, degree, gathered, option
     row-wise matmul saves the slice of its input it copied out, and all-gathers that slice's gradient."""
     overrides = EXPERTS_DOMINATE["qwen3_moe"] if family == "qwen3_next" else {"vocab_size": 32, "num_hidden_layers": 4}
     _check(family, degree, 0, gathered, shape=EXPERT_SHAPE | options, **overrides)
+
+
+def test_training_that_the_runtime_refuses_is_refused():
+    """Llama 4's MoE layer adds its routed experts' output into its shared expert's in place; under tensor parallelism
+    that output is a view DTensor made, and autograd stops the forward (transformers' own runtime too)."""
+    model = tiny_model("llama4_text", **SPLITTABLE)
+    setup = TrainingSetup(target=Target.CPU, batch_size=2, seq_len=16)
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        tensor_parallel_peak(model, setup, 2)
+    with pytest.raises(UserError, match="--tp in training: Llama4Text's MoE layer adds"):
+        TensorParallel(2).check(model.config)
+    TensorParallel.for_inference(2).check(model.config)
 
 
 @pytest.mark.parametrize(("family", "style"), [("qwen3_moe", "moe_tp_experts"), ("phi3", "colwise_gather_output")])
