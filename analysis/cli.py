@@ -196,7 +196,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         gpu=gpu,
     )
-    startup = vllm_startup(model.config, setup, model.multimodal)
+    startup = vllm_startup(model.config, setup, model.multimodal, model.multimodal_missing)
     print(json.dumps(startup_json(startup), indent=2) if args.json else render_startup(model, startup))
     return 0
 

@@ -149,6 +149,7 @@ class VllmStartup:
     activation_parts: dict[str, int] = field(default_factory=dict)
     layout: KvLayout | None = None
     graphs: CudaGraphs | None = None
+    vision_missing: str = ""  # why a multimodal checkpoint's vision tower is not among the weights
 
     @property
     def requested_bytes(self) -> int:
@@ -178,9 +179,10 @@ class VllmStartup:
         return self.num_blocks / blocks_per_request
 
 
-def vllm_startup(config, setup: VllmSetup, multimodal=None) -> VllmStartup:
+def vllm_startup(config, setup: VllmSetup, multimodal=None, multimodal_missing: str = "") -> VllmStartup:
     """vLLM's start-up memory on one tensor-parallel rank of ``config`` served with ``setup``; ``multimodal``: the
-    whole config of a checkpoint whose language model ``config`` is, whose vision tower vLLM loads too."""
+    whole config of a checkpoint whose language model ``config`` is, whose vision tower vLLM loads too, or
+    ``multimodal_missing``: why that config could not be built."""
     from transformers import AutoModelForCausalLM
 
     _check(config, setup)
@@ -205,8 +207,13 @@ def vllm_startup(config, setup: VllmSetup, multimodal=None) -> VllmStartup:
     parts = profile_peak(config, setup, dtype.itemsize)
     tp = setup.tensor_parallel_size
     weights = rank_weights(model, config, tp, setup.quantization or method, setup.gpu.compute_capability)
+    vision_missing = multimodal_missing
     if multimodal is not None:
-        weights = dataclasses.replace(weights, vision_bytes=vision_bytes(multimodal, tp, dtype))
+        vision = vision_bytes(multimodal, tp, dtype)
+        if vision is None:
+            vision_missing = f"transformers has no image-text-to-text model for {type(multimodal).__name__}"
+        else:
+            weights = dataclasses.replace(weights, vision_bytes=vision)
     return VllmStartup(
         setup,
         max_model_len,
@@ -215,6 +222,7 @@ def vllm_startup(config, setup: VllmSetup, multimodal=None) -> VllmStartup:
         parts,
         kv_layout(config, setup, dtype.itemsize, max_model_len),
         cuda_graphs(config, setup, dtype.itemsize),
+        vision_missing,
     )
 
 
@@ -422,6 +430,7 @@ def startup_json(startup: VllmStartup) -> dict:
         "cuda_graph_pool_by_mode": startup.graphs.pool_parts,
         "cuda_graph_bytes_predicted": "at least",  # the pool; the driver's memory per graph is not predicted
         "process_bytes_at_least": startup.process_bytes,
+        "vision_tower_not_counted": startup.vision_missing or None,
     }
 
 
@@ -445,6 +454,13 @@ def render_startup(model, startup: VllmStartup) -> str:
         f"gpu_memory_utilization ({setup.gpu_memory_utilization:.2f}) = {gib(startup.requested_bytes)}",
         f"  model weights take {gib(startup.weights.total)} (rotary cos/sin cache {gib(startup.weights.rotary_bytes)}"
         f"{kernels})",
+    ]
+    if startup.vision_missing:
+        lines.append(
+            f"  the vision tower and projector are not counted ({startup.vision_missing}): vLLM loads them too, so "
+            "its KV cache is smaller than this by their weights"
+        )
+    lines += [
         f"  non_torch_memory takes {gib(setup.non_torch_bytes)} (not predicted: --non-torch-memory)",
         f"  PyTorch activation peak memory takes {gib(startup.activation_peak_bytes)} (profile run: "
         f"{setup.max_num_batched_tokens} tokens, sampler on {min(setup.max_num_seqs, setup.max_num_batched_tokens)} "

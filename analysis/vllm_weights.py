@@ -167,15 +167,19 @@ class RankWeights:
         return self.parameter_bytes + self.rotary_bytes + self.vision_bytes
 
 
-def vision_bytes(multimodal, tp: int, dtype: torch.dtype) -> int:
+def vision_bytes(multimodal, tp: int, dtype: torch.dtype) -> int | None:
     """The vision tower and the projector of a multimodal checkpoint, which vLLM loads beside its language model,
     on one of ``tp`` ranks: the weights of their linear layers split over the ranks (vLLM's vision encoders and
     projectors build them as ``QKVParallelLinear``, ``ColumnParallelLinear`` and ``RowParallelLinear``:
-    gemma3_mm.py's SigLIP, pixtral.py, mllama4.py), everything else (norms, embeddings, biases) whole."""
+    gemma3_mm.py's SigLIP, pixtral.py, mllama4.py), everything else (norms, embeddings, biases) whole. None when
+    transformers has no image-text-to-text model for the config."""
     from transformers import AutoModelForImageTextToText
 
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(multimodal, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(multimodal, dtype=dtype)
+    except ValueError:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        return None
     language = {id(parameter) for parameter in model.get_decoder().parameters()}
     language |= {id(parameter) for parameter in model.get_output_embeddings().parameters()}
     split = {id(module.weight) for module in model.modules() if isinstance(module, nn.Linear)}

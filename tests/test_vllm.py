@@ -10,10 +10,13 @@ import pytest
 import torch
 from test_cli import _assert_user_error, _config_file, _run
 from tiny_models import tiny_model
+from transformers import CLIPConfig
 
 from analysis.vllm import VllmSetup, vllm_startup
+from analysis.vllm_weights import vision_bytes
 from tracer.errors import UserError
 from tracer.gpus import Gpu, find_gpu
+from tracer.registry import find_bundled
 from tracer.units import GIB
 
 
@@ -350,3 +353,19 @@ def test_serve_counts_a_multimodal_checkpoints_vision_tower(capsys):
     assert code == 0 and "vision tower and projector" in out
     code, out, _ = _run(capsys, "serve", "google/gemma-3-1b-it", "--max-model-len", "8192")  # text only
     assert code == 0 and "vision tower" not in out
+
+
+def test_serve_says_when_it_cannot_count_the_vision_tower(capsys, tmp_path):
+    """A checkpoint whose vision tower transformers cannot build is served with a line saying it is left out and why,
+    not silently without it."""
+    config = find_bundled("google/gemma-3-4b-it").load()
+    config["vision_config"]["model_type"] = "no_such_vision"
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code, out, _ = _run(capsys, "serve", str(path), "--max-model-len", "8192")
+    assert code == 0
+    assert "the vision tower and projector are not counted (transformers cannot build this checkpoint's whole " in out
+    assert "Unrecognized model type for subconfig: no_such_vision)" in out
+    code, out, _ = _run(capsys, "serve", str(path), "--max-model-len", "8192", "--json")
+    assert json.loads(out)["vision_tower_not_counted"].endswith("no_such_vision")
+    assert vision_bytes(CLIPConfig(), 1, torch.bfloat16) is None  # no image-text-to-text model: the caller says so

@@ -41,6 +41,8 @@ class ResolvedModel:
     source: str  # where the config came from, for the report
     # A multimodal checkpoint's whole config, of which ``config`` is the language model: serve counts its vision tower
     multimodal: PretrainedConfig | None = None
+    # Why a multimodal checkpoint's whole config could not be built ("": it was, or the checkpoint has no vision tower)
+    multimodal_missing: str = ""
     loss_fn: ClassVar[None] = None
 
     def build(self, setup: TrainingSetup) -> nn.Module:
@@ -92,18 +94,20 @@ def resolve_model(model_id: str) -> ResolvedModel:
 def _resolved(model_id: str, data: Any, where: str, source: str) -> ResolvedModel:
     text, how = language_model(data, where)
     config = config_from_dict(text, where)
-    return ResolvedModel(model_id, config, source + (f"; {how}" if how else ""), _multimodal(data, text))
+    multimodal, missing = _multimodal(data, text)
+    return ResolvedModel(model_id, config, source + (f"; {how}" if how else ""), multimodal, missing)
 
 
-def _multimodal(data: Any, text: Any) -> PretrainedConfig | None:
-    """The whole config of a checkpoint that nests its language model beside a vision tower, where transformers
-    builds it; None otherwise."""
+def _multimodal(data: Any, text: Any) -> tuple[PretrainedConfig | None, str]:
+    """The whole config of a checkpoint that nests its language model beside a vision tower, or why transformers
+    could not build it; (None, "") for a checkpoint without one."""
     if text is data or "vision_config" not in data:
-        return None
+        return None, ""
     try:
-        return AutoConfig.for_model(**data)
-    except (TypeError, ValueError, KeyError):
-        return None
+        return AutoConfig.for_model(**data), ""
+    except (TypeError, ValueError, KeyError) as error:
+        first = str(error).split(". ")[0]  # transformers' next sentences list every model type it knows
+        return None, f"transformers cannot build this checkpoint's whole config: {first}"
 
 
 def language_model(data: Any, where: str) -> tuple[Any, str | None]:
