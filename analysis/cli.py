@@ -20,6 +20,7 @@ from tracer.training import Target, TrainingSetup
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130  # as a shell reports a process stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # as a shell reports a process stopped by SIGPIPE: its reader (``| head``) left early
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,13 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The libraries' objects live as long as the program: the collector need not scan them again and
         # again while a step is stamped and analyzed (it took half the stamping time).
         gc.freeze()
-        return RUNNERS[args.command](args)
+        code = RUNNERS[args.command](args)
+        sys.stdout.flush()  # a reader gone shows here, not at exit
+        return code
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # nothing more can be printed; what is still buffered goes nowhere rather than failing again on exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:

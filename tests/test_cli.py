@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from tiny_models import TINY_CONFIGS, tiny_model
 
 from analysis import cli
-from analysis.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, main
+from analysis.cli import EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, EXIT_USER_ERROR, main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -57,6 +59,18 @@ def test_ctrl_c_ends_with_one_line_and_the_shell_code(monkeypatch, capsys):
     monkeypatch.setitem(cli.RUNNERS, "gpus", interrupted)
     assert main(["gpus"]) == EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("command", ["gpus", "models"], ids=["short output", "long output"])
+def test_a_reader_that_leaves_early_gets_no_traceback(command):
+    """``python -m tracer models | head -3``: the pipe closes before the output is written (or flushed at the end),
+    and the program stops as a shell's SIGPIPE would, quietly."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tracer", command], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait() == EXIT_BROKEN_PIPE and "Traceback" not in stderr, stderr
 
 
 def test_analyze_text_report(tmp_path, capsys):
