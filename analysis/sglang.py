@@ -11,9 +11,11 @@ SGLang sizes its pool once, after loading the weights (python/sglang/srt/model_e
 * ``available_before_load`` ("Load weight begin. avail mem"): the free memory ``init_torch_distributed`` measured,
   the smallest over the ranks: the device's total less the CUDA context and NCCL's buffers, which are not
   predicted here: ``--non-torch-memory`` takes them and defaults to 0.
-* ``available_after_load`` ("Load weight end. avail mem"): the same less the weights each rank loaded. SGLang's
-  parallel layers split the weights as vLLM's do (it carries vLLM's linear.py and vocab_parallel_embedding.py),
-  so they are counted by analysis/vllm_weights.py.
+* ``available_after_load`` ("Load weight end. avail mem"): the same less what loading the weights took of the
+  device, which ``get_available_gpu_memory`` reads with ``torch.cuda.mem_get_info`` after ``empty_cache()``: the
+  caching allocator's segments, not the tensors in them (:func:`loaded_bytes`). SGLang's parallel layers split the
+  weights as vLLM's do (it carries vLLM's linear.py and vocab_parallel_embedding.py), so they are counted by
+  analysis/vllm_weights.py.
 * ``cell_size``: the KV cache of one token over every layer. Key and value heads per rank,
   ``max(1, num_key_value_heads // tp)`` (``ModelConfig.get_num_kv_heads``), times ``head_dim``, layers, 2 and the
   cache dtype's bytes; for MLA (DeepSeek) ``kv_lora_rank + qk_rope_head_dim`` per layer, the same on every rank.
@@ -26,11 +28,14 @@ memory, the chunked-prefill size and the CUDA-graph batch sizes (PR #10975), so 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from analysis.vllm_weights import RankWeights, rank_weights
+from analysis.allocator import CachingAllocator
+from analysis.vllm_weights import RankWeights, rank_parameters, rank_weights, rotary_caches
 from tracer.errors import UserError
 from tracer.published import quant_method
 
@@ -38,6 +43,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": to
 # ServerArgs.__post_init__ in v0.4.x: the least tensor-parallel degree of each step, and its fraction
 DEFAULT_FRACTIONS = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
 SLIDING = "sliding_attention"
+# The projections SGLang fuses into one parameter (QKVParallelLinear, MergedColumnParallelLinear), made where the
+# first of them is: the parameter's name with the projection's replaced by the fused one's.
+FUSED = (
+    (re.compile(r"\.[qkv]_proj\.(weight|bias)$"), r".qkv_proj.\1"),
+    (re.compile(r"\.(gate|up)_proj\.weight$"), ".gate_up_proj.weight"),
+)
+FP32_BYTES = 4
+ROTARY_MADE_AFTER = re.compile(r"\.o_proj\.weight$")  # the first attention makes the rotary embedding after it
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class SglangStartup:
     weights: RankWeights
     dtype: torch.dtype
     cell_bytes: int  # one token's KV cache over every layer on one rank
+    loaded_bytes: int  # what loading the weights took of the device: the allocator's segments holding them
 
     @property
     def available_before_load(self) -> int:
@@ -66,7 +80,7 @@ class SglangStartup:
 
     @property
     def available_after_load(self) -> int:
-        return self.available_before_load - self.weights.total
+        return self.available_before_load - self.loaded_bytes
 
     @property
     def rest_bytes(self) -> int:
@@ -92,8 +106,47 @@ def sglang_startup(config, setup: SglangSetup) -> SglangStartup:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     fraction = setup.mem_fraction_static or default_mem_fraction_static(setup.tensor_parallel_size)
-    weights = rank_weights(model, config, setup.tensor_parallel_size)
-    return SglangStartup(setup, fraction, weights, dtype, cell_bytes(config, setup, dtype))
+    tp = setup.tensor_parallel_size
+    lengths, rotary_dim = rotary_caches(config)
+    weights = RankWeights(rank_weights(model, config, tp).parameter_bytes, sum(lengths) * rotary_dim * FP32_BYTES)
+    loaded = loaded_bytes(model, config, tp)
+    return SglangStartup(setup, fraction, weights, dtype, cell_bytes(config, setup, dtype), loaded)
+
+
+def loaded_bytes(model: nn.Module, config, tp: int) -> int:
+    """What loading ``model`` takes of one of ``tp`` ranks' device, as SGLang builds it (v0.4.2.post1 to 0.5.8):
+    its parameters allocated on the GPU in the order its modules make them (model_loader/loader.py, ``with
+    target_device``), q/k/v and gate/up each fused into one; the first attention's rotary embedding right after
+    its ``o_proj``, whose cos/sin cache SGLang keeps in float32 on CUDA (rotary_embedding.py, "cache needs to be in
+    FP32") after its temporaries; then ``empty_cache()`` and what the caching allocator still holds in segments.
+    The checkpoint's tensors are read on the host and copied into the parameters, so they leave nothing behind."""
+    allocations: dict[str, int] = {}  # in the order of each one's first part
+    for name, nbytes in rank_parameters(model, config, tp):
+        fused = next((pattern.sub(part, name) for pattern, part in FUSED if pattern.search(name)), name)
+        allocations[fused] = allocations.get(fused, 0) + nbytes
+    allocator = CachingAllocator()
+    lengths, rotary_dim = rotary_caches(config)
+    rotary_made = False
+    for name, nbytes in allocations.items():
+        allocator.malloc(nbytes)
+        if not rotary_made and ROTARY_MADE_AFTER.search(name):
+            rotary_made = True
+            for positions in lengths:
+                _rotary_cache(allocator, positions, rotary_dim)
+    allocator.empty_cache()
+    return allocator.reserved
+
+
+def _rotary_cache(allocator: CachingAllocator, positions: int, rotary_dim: int) -> None:
+    """``RotaryEmbedding._compute_cos_sin_cache`` on the GPU: ``t = arange(positions)``, ``freqs = einsum(t,
+    inv_freq)``, ``cos``, ``sin`` and their ``cat``, the cache kept; the rest freed as the function returns
+    (``inv_freq`` and its temporaries are a few hundred bytes)."""
+    half = rotary_dim // 2
+    temporaries = [allocator.malloc(half * FP32_BYTES), allocator.malloc(positions * FP32_BYTES)]  # inv_freq, t
+    temporaries += [allocator.malloc(positions * half * FP32_BYTES) for _ in range(3)]  # freqs, cos, sin
+    allocator.malloc(positions * rotary_dim * FP32_BYTES)  # the cache
+    for block in temporaries:
+        allocator.free(block)
 
 
 def cell_bytes(config, setup: SglangSetup, dtype: torch.dtype) -> int:
@@ -156,6 +209,7 @@ def startup_json(startup: SglangStartup) -> dict:
         "mem_fraction_static": startup.mem_fraction_static,
         "available_before_load_bytes": startup.available_before_load,
         "weights_bytes": startup.weights.total,
+        "loaded_bytes": startup.loaded_bytes,
         "available_after_load_bytes": startup.available_after_load,
         "kv_cell_bytes": startup.cell_bytes,
         "kv_pool_bytes": startup.max_total_num_tokens * startup.cell_bytes,
@@ -186,7 +240,9 @@ def render_startup(model, startup: SglangStartup) -> str:
         f"  Load weight begin. avail mem={gb(startup.available_before_load)} (total {gb(setup.gpu_memory_bytes)} "
         f"less --non-torch-memory {gb(setup.non_torch_bytes)}: CUDA context and NCCL, not predicted)",
         f"  Load weight end. dtype={startup.dtype}, avail mem={gb(startup.available_after_load)}, "
-        f"mem usage={gb(startup.weights.total)} (rotary cos/sin cache {gb(startup.weights.rotary_bytes)})",
+        f"mem usage={gb(startup.loaded_bytes)} (parameters {gb(startup.weights.parameter_bytes)}, rotary cos/sin "
+        f"cache {gb(startup.weights.rotary_bytes)} in float32, the caching allocator's segments round them up by "
+        f"{gb(startup.loaded_bytes - startup.weights.total)})",
         f"  rest_memory = {gb(startup.available_after_load)} - {gb(startup.available_before_load)} x "
         f"(1 - {startup.mem_fraction_static}) = {gb(startup.rest_bytes)}",
         f"  KV cache cell: {startup.cell_bytes:,} bytes per token over {model.config.num_hidden_layers} layers",

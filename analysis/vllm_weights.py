@@ -111,6 +111,7 @@ act-order):
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -468,6 +469,16 @@ def _quantized_linear(name: str) -> bool:
     return bool(_KEY_VALUE.search(name) or _COLUMN.search(name) or _ROW.search(name) or _EXPERTS.search(name))
 
 
+def rank_parameters(model: nn.Module, config, tp: int) -> Iterator[tuple[str, int]]:
+    """Each parameter of a 16-bit ``model`` in the order its modules make them, with the bytes one of ``tp`` ranks
+    holds of it."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    intermediate = {getattr(config, name, None) for name in ("intermediate_size", "moe_intermediate_size")} - {None}
+    for name, parameter in model.named_parameters():
+        yield name, _rank_numel(name, tuple(parameter.shape), tp, kv_heads, intermediate) * parameter.element_size()
+
+
 def _rank_numel(name: str, shape: tuple[int, ...], tp: int, kv_heads: int, intermediate: set[int]) -> int:
     numel = 1
     for size in shape:
@@ -510,10 +521,16 @@ def _dtype(model: nn.Module) -> torch.dtype:
 
 
 def _rotary_bytes(config, dtype: torch.dtype) -> int:
-    """vLLM's cos/sin caches, one per distinct rope (``get_rope`` shares one among the layers that ask for the same):
-    ``max_position_embeddings`` positions of the rotary dim each, times the factor for linear scaling
-    (``LinearScalingRotaryEmbedding``: ``max_position x scaling_factor``). Gemma 3's sliding and full layers have
-    one each."""
+    """vLLM's cos/sin caches (:func:`rotary_caches`)."""
+    lengths, rotary_dim = rotary_caches(config)
+    return sum(lengths) * rotary_dim * dtype.itemsize
+
+
+def rotary_caches(config) -> tuple[list[int], int]:
+    """The positions of each cos/sin cache vLLM and SGLang keep, one per distinct rope (``get_rope`` shares one
+    among the layers that ask for the same): ``max_position_embeddings``, times the factor for linear scaling
+    (``LinearScalingRotaryEmbedding``: ``max_position x scaling_factor``); and the rotary dim, each position's
+    cos and sin. Gemma 3's sliding and full layers have one each."""
     head_dim = getattr(config, "qk_rope_head_dim", None) or getattr(config, "head_dim", None)
     head_dim = head_dim or config.hidden_size // config.num_attention_heads
     rotary_dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
@@ -522,6 +539,7 @@ def _rotary_bytes(config, dtype: torch.dtype) -> int:
     per_layer_type = ropes and all(isinstance(rope, dict) for rope in ropes.values())
     distinct = {repr(sorted(rope.items())): rope for rope in (ropes.values() if per_layer_type else [ropes])}
     lengths = [
-        positions * (rope.get("factor", 1) if rope.get("rope_type") == "linear" else 1) for rope in distinct.values()
+        int(positions * (rope.get("factor", 1) if rope.get("rope_type") == "linear" else 1))
+        for rope in distinct.values()
     ]
-    return int(sum(lengths)) * rotary_dim * dtype.itemsize
+    return lengths, rotary_dim

@@ -115,7 +115,7 @@ def run_case(case: Logged) -> dict:
         "tp": case.tp,
         "mem_fraction_static": case.mem_fraction_static,
         "weights_logged_gib": round(case.before - case.after, 2),
-        "weights_gib": round(startup.weights.total / GIB, 2),
+        "weights_gib": round(startup.loaded_bytes / GIB, 2),
         "tokens_logged": case.tokens,
         "tokens": startup.max_total_num_tokens,
         "error_pct": round(100 * (startup.max_total_num_tokens - case.tokens) / case.tokens, 2),
