@@ -339,12 +339,12 @@ class _RankStep:
         ops += [step.ops[index] for index in self.optimizer]
         self.actions, self.span, self.position, self.optimizer_at = actions, span, position, optimizer_at
 
-        rows: dict[int, StorageRow] = {}
-        ids: dict[tuple[Action | int | None, int], int] = {}
+        placed: list[tuple[StorageRow, int | None, int | None]] = []  # each rank row's traced row, producer, freeing
+        ids: dict[Action | int | None, dict[int, int]] = defaultdict(dict)  # owner -> traced storage -> rank row
 
         def add(row: StorageRow, owner: Action | int | None, producer: int | None, freed: int | None) -> None:
-            ids[(owner, row.id)] = len(rows)
-            rows[len(rows)] = replaced(row, id=len(rows), producer=producer, freed_after=freed, users=())
+            ids[owner][row.id] = len(placed)
+            placed.append((row, producer, freed))
 
         for owner, row in self._existing():
             add(row, owner, None, None)
@@ -362,33 +362,38 @@ class _RankStep:
                     output = self._is_output(row, stage)
                     for action in copies[(kind, self.micro_step[row.producer], stage)]:
                         add(row, action, position[(action, row.producer)], self._freed(row, action, output))
-        buffers = self._receive_buffers(rows)
+        buffers = self._receive_buffers(placed)
 
         users: dict[int, list[int]] = defaultdict(list)
         stage_ops = []
-        owner_of = {index: action for action, indices in span.items() for index in indices}
-        for index, op in enumerate(ops):
-            action = owner_of.get(index)
+        for action, indices in [*span.items(), (None, range(len(ops) - len(optimizer_at), len(ops)))]:
+            # The copy an op of ``action`` reads or writes: its own, its microbatch's forward's, its stage's, one
+            # that exists for the whole step (the later ones win), or the receive buffer standing for another
+            # stage's.
+            if action is None:
+                copy = ids[None]
+            else:
+                copy = {**ids[None], **ids[action[1]], **ids[(FORWARD, *action[1:])], **ids[action]}
 
-            def mapped(storage_id: int, action=action) -> int | None:
-                """The copy an op of ``action`` reads or writes: its own, its microbatch's forward's, its stage's,
-                one that exists for the whole step, or the receive buffer standing for another stage's."""
-                owners = (None,) if action is None else (action, (FORWARD, *action[1:]), action[1], None)
-                for owner in owners:
-                    if (owner, storage_id) in ids:
-                        return ids[(owner, storage_id)]
-                if action is not None and self._made_elsewhere(storage_id, action[1]):
+            def mapped(storage_id: int, action=action, copy=copy) -> int | None:
+                found = copy.get(storage_id)
+                if found is None and action is not None and self._made_elsewhere(storage_id, action[1]):
                     phase = step.ops[step.storages[storage_id].producer].phase
                     return buffers.get((action[1], phase, action[2]))
-                return None
+                return found
 
-            inputs = tuple(s for s in map(mapped, op.inputs) if s is not None)
-            outputs = tuple(s for s in map(mapped, op.outputs) if s is not None)
-            for storage_id in inputs:
-                users[storage_id].append(index)
             run_in = None if action is None else (action[1], action[2])
-            stage_ops.append(replaced(op, index=index, inputs=inputs, outputs=outputs, pipeline_pass=run_in))
-        rows = {i: replaced(row, users=tuple(users.get(i, ()))) for i, row in rows.items()}
+            for index in indices:
+                op = ops[index]
+                inputs = tuple(s for s in map(mapped, op.inputs) if s is not None)
+                outputs = tuple(s for s in map(mapped, op.outputs) if s is not None)
+                for storage_id in inputs:
+                    users[storage_id].append(index)
+                stage_ops.append(replaced(op, index=index, inputs=inputs, outputs=outputs, pipeline_pass=run_in))
+        rows = {
+            i: replaced(row, id=i, producer=producer, freed_after=freed, users=tuple(users.get(i, ())))
+            for i, (row, producer, freed) in enumerate(placed)
+        }
         structure = ModelStructure(
             blocks=tuple(block for stage in plan.stages for block in self.blocks[stage]),
             input_embedding=step.structure.input_embedding if self.first else "",
@@ -436,13 +441,17 @@ class _RankStep:
         output layer makes and the loss reads, not its autocast copies of its weight and input)."""
         if self.step.ops[row.producer].phase is not Phase.FORWARD:
             return False
-        forward_users = [self.step.ops[user] for user in row.users if self.step.ops[user].phase is Phase.FORWARD]
+        users = (self.step.ops[user] for user in row.users)
+        forward_users = (op for op in users if op.phase is Phase.FORWARD)  # thousands for the rotary embedding's
         if stage == self.plan.stage_count - 1:
             output = self.step.structure.output_embedding
             return row.module == output and any(not within(op.module, output) for op in forward_users)
-        return any(op.index not in self.stage_ops[stage] for op in forward_users)
+        ops = self.stage_ops[stage]
+        return any(op.index not in ops for op in forward_users)
 
-    def _receive_buffers(self, rows: dict[int, StorageRow]) -> dict[tuple[int, Phase, int], int]:
+    def _receive_buffers(
+        self, placed: list[tuple[StorageRow, int | None, int | None]]
+    ) -> dict[tuple[int, Phase, int], int]:
         """One receive buffer per stage and microbatch for each kind of tensor another stage makes and this one
         reads: made in forward (the activations), made in backward (their gradient)."""
         buffers = {}
@@ -457,11 +466,12 @@ class _RankStep:
             for phase, row in sizes.items():
                 what = "activations" if phase is Phase.FORWARD else "gradients"
                 for mb in range(self.plan.microbatches):
-                    storage_id = len(rows)
+                    storage_id = len(placed)
                     name = f"{RECEIVE_BUFFER}: {what}, microbatch {mb}{of_stage}"
-                    rows[storage_id] = StorageRow(
+                    buffer = StorageRow(
                         storage_id, row.nbytes, row.dtype, row.shape, Role.COMMUNICATION, None, None, (), "", True, name
                     )
+                    placed.append((buffer, None, None))
                     buffers[(stage, phase, mb)] = storage_id
         return buffers
 
