@@ -158,6 +158,7 @@ class CachingAllocator:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
+        self.retries = 0  # failed cudaMallocs that released the cache and retried (num_alloc_retries) since reset_peak
         self.segments: list[Segment] = []
         self._pools: dict[tuple[bool, int], _Pool] = {}
         self._addresses = addresses
@@ -170,9 +171,10 @@ class CachingAllocator:
         self._release_cached(keep_streams)
 
     def reset_peak(self) -> None:
-        """``torch.cuda.reset_peak_memory_stats``: peaks restart from the current values."""
+        """``torch.cuda.reset_peak_memory_stats``: peaks restart from the current values, and the retries from 0."""
         self.peak_allocated = self.allocated
         self.peak_reserved = self.reserved
+        self.retries = 0
 
     def malloc(self, nbytes: int, stream: int = 0) -> Block | None:
         if nbytes <= 0:
@@ -246,6 +248,7 @@ class CachingAllocator:
         wanted = segment_size(size)
         if not self._can_reserve(wanted):
             self._release_cached()
+            self.retries += 1
             if not self._can_reserve(wanted):
                 raise OutOfMemory(wanted, self.allocated, self.reserved)
         segment = Segment(self._take_addresses(wanted), small, stream, mapped=wanted)
@@ -268,6 +271,7 @@ class CachingAllocator:
         more = -(-(size - have) // page) * page
         if not self._can_reserve(more):
             self._release_cached()
+            self.retries += 1
             if not self._can_reserve(more):
                 raise OutOfMemory(more, self.allocated, self.reserved)
             return self._expand(size, small, stream)

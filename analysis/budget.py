@@ -22,6 +22,12 @@ class MemoryBudget:
     def usable_bytes(self) -> int:
         return int(self.capacity_bytes * (1 - self.margin))
 
+    def allocator_capacity(self, context_bytes: int) -> int:
+        """What the caching allocator may reserve before its ``cudaMalloc`` fails: the usable memory less the CUDA
+        context. There it releases its cached segments and retries, as PyTorch's does (the margin stays for what
+        the estimate does not hold), so a step fits when the allocated memory does, not only the cached."""
+        return self.usable_bytes - context_bytes
+
     def needed_bytes(self, report: MemoryReport) -> int:
         """Device memory of the most loaded GPU: reserved memory plus the CUDA context where the caching
         allocator was replayed (``--target cuda``), else the allocated peak."""

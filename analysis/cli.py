@@ -267,16 +267,19 @@ def _run_gpus(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
     """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks); under a
     device map, every GPU's."""
+    from analysis.budget import MemoryBudget
     from analysis.device_map import estimate_device_map
     from analysis.estimate import estimate
 
     _warn_about_length(model, setup)
+    gpu = _target_gpu(setup)
+    capacity = MemoryBudget(gpu.memory_bytes).allocator_capacity(gpu.context_bytes) if gpu else None
     start = time.perf_counter()
     with _progress_bar(args, f"tracing {model.model_id}", unit="", leave=False) as bar:
         if setup.device_map is not None:
             result = estimate_device_map(model, setup, progress=bar)
         else:
-            result = estimate(model, setup, layout, progress=bar)
+            result = estimate(model, setup, layout, progress=bar, capacity=capacity)
     what = "inference" if setup.mode == "inference" else "one training step"
     _progress(args, f"Traced {what} of {model.model_id} on fake tensors in {time.perf_counter() - start:.1f} s.")
     return result

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TypeVar
 
-from analysis.allocator import AllocatorConfig
+from analysis.allocator import AllocatorConfig, OutOfMemory
 from analysis.batch_line import BatchLine, BatchShapeError
 from analysis.cudagraphs import compiled_decode
 from analysis.peak import PeakLine, Timeline, find_peak, timeline
@@ -49,12 +49,15 @@ def analyze(
     setup: TrainingSetup,
     layout: Layout = SINGLE_GPU,
     progress: Progress | None = None,
+    capacity: int | None = None,
 ) -> MemoryReport:
     """Predicted peak allocated GPU memory of one steady-state training step, on the most loaded GPU.
 
     On CUDA the allocations are replayed through the caching allocator model: its allocated bytes (whole
-    blocks) are the peak, and its reserved bytes plus the CUDA context what ``nvidia-smi`` shows."""
-    return estimate(model, setup, layout, progress).report
+    blocks) are the peak, and its reserved bytes plus the CUDA context what ``nvidia-smi`` shows. ``capacity``:
+    what ``cudaMalloc`` can reserve before it fails (:meth:`MemoryBudget.allocator_capacity`), where the allocator
+    releases its cached segments and retries; None: it never fails."""
+    return estimate(model, setup, layout, progress, capacity).report
 
 
 def estimate(
@@ -62,12 +65,13 @@ def estimate(
     setup: TrainingSetup,
     layout: Layout = SINGLE_GPU,
     progress: Progress | None = None,
+    capacity: int | None = None,
 ) -> StepResult:
     """:func:`analyze`, keeping the busiest rank's step and timeline (for timelines and per-module tables)."""
     model = as_model(model)
     prepared = prepare(layout, setup, model.config)
     source = StepSource(model, prepared.traced, progress)
-    return LayoutEstimate(model.model_id, prepared, source).evaluate(setup.batch_size, progress)
+    return LayoutEstimate(model.model_id, prepared, source, capacity=capacity).evaluate(setup.batch_size, progress)
 
 
 class StepSource:
@@ -165,10 +169,18 @@ class LayoutEstimate:
     and 3 give a line, and the data-parallel runtime, which changes nothing the batch flows through, rewrites
     the step once."""
 
-    def __init__(self, model_id: str, prepared: PreparedLayout, source: StepSource, dominant: bool = False) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        prepared: PreparedLayout,
+        source: StepSource,
+        dominant: bool = False,
+        capacity: int | None = None,
+    ) -> None:
         """``dominant``: only the ranks no other holds more than (a pipeline's dominant stages), for a search that
-        reads the busiest rank."""
+        reads the busiest rank. ``capacity``: where each rank's ``cudaMalloc`` fails (:func:`rank_estimate`)."""
         self.model_id, self.prepared, self.source, self.dominant = model_id, prepared, source, dominant
+        self.capacity = capacity
         self._parts: dict[Rank, tuple[StepGraph, BatchLine] | None] = {}
         self._off_line: dict[tuple[Rank, int], StepGraph] = {}  # the last rank steps made off the line (batch 1)
         self._peak_lines: dict[Rank, PeakLine] = {}
@@ -276,28 +288,40 @@ class LayoutEstimate:
             for done, rank in enumerate(self.ranks):
                 if progress is not None:
                     progress("each rank's step and peak", done, len(self.ranks))
+                step = self.rank_step(rank, batch)
                 estimates.append(
-                    rank_estimate(
-                        self.model_id, setup, self.prepared.layout, self.trace, rank, self.rank_step(rank, batch)
-                    )
+                    rank_estimate(self.model_id, setup, self.prepared.layout, self.trace, rank, step, self.capacity)
                 )
             self._results[batch] = busiest(estimates, self.prepared.layout)
         return self._results[batch]
 
 
 def rank_estimate(
-    model_id: str, setup: TrainingSetup, layout: Layout, trace: Trace, rank: Rank, rank_step: StepGraph
+    model_id: str,
+    setup: TrainingSetup,
+    layout: Layout,
+    trace: Trace,
+    rank: Rank,
+    rank_step: StepGraph,
+    capacity: int | None = None,
 ) -> StepResult:
-    """The report of one rank from its step: its timeline, and on CUDA the caching allocator's replay."""
+    """The report of one rank from its step: its timeline, and on CUDA the caching allocator's replay. With a
+    ``capacity``, a ``cudaMalloc`` that would reserve more fails, and the allocator releases its cached segments and
+    retries, as PyTorch's does; where even that fails, the step does not fit, and the replay without a capacity
+    says how much it would need."""
     line = timeline(rank_step)
     replay = None
     if setup.target is Target.CUDA:
         compiled = compiled_decode(setup, find_gpu(setup.gpu), trace.structure.model_class)
-        replay = replay_step(rank_step, allocator_config(setup), compiled=compiled)
+        try:
+            replay = replay_step(rank_step, allocator_config(setup, capacity), compiled=compiled)
+        except OutOfMemory:
+            replay = replay_step(rank_step, allocator_config(setup), compiled=compiled)
         line = line.with_allocator_slack(replay.allocated_at)
     report = build_report(model_id, setup, trace, rank_step, line, find_peak(line), layout, rank)
     if replay is not None:
         report.set_device_memory(replay.peak_reserved, find_gpu(setup.gpu).context_bytes)
+        report.allocator_retries = replay.retries
     return StepResult(report, rank_step, line)
 
 
@@ -309,5 +333,5 @@ def busiest(estimates: list[StepResult], layout: Layout) -> StepResult:
     return top
 
 
-def allocator_config(setup: TrainingSetup) -> AllocatorConfig:
-    return AllocatorConfig(expandable_segments=setup.expandable_segments)
+def allocator_config(setup: TrainingSetup, capacity: int | None = None) -> AllocatorConfig:
+    return AllocatorConfig(expandable_segments=setup.expandable_segments, capacity=capacity)

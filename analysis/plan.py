@@ -20,6 +20,7 @@ import signal
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TypeVar
 
 import torch
@@ -34,9 +35,10 @@ from strategies.pipeline import schedule_takes
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
+from tracer.gpus import find_gpu
 from tracer.resolve import Model
 from tracer.tracing import may_derive_accumulation, traced_micro_steps
-from tracer.training import LoraSetup, TrainingSetup
+from tracer.training import LoraSetup, Target, TrainingSetup
 from tracer.units import format_bytes
 
 MAX_MICRO_BATCH = 1024
@@ -400,7 +402,16 @@ class _Search:
         """The candidate's estimate over the step source its traced setup shares with other candidates."""
         prepared = prepare(layout, candidate_setup, self.model.config)
         traced = prepared.traced
-        return LayoutEstimate(self.model.model_id, prepared, self._source(traced), dominant=True)
+        return LayoutEstimate(
+            self.model.model_id, prepared, self._source(traced), dominant=True, capacity=self._allocator_capacity
+        )
+
+    @cached_property
+    def _allocator_capacity(self) -> int | None:
+        """Where the replayed allocator's ``cudaMalloc`` fails and it releases its cache (None: on CPU, never)."""
+        if self.setup.target is not Target.CUDA:
+            return None
+        return self.budget.allocator_capacity(find_gpu(self.setup.gpu).context_bytes)
 
     def _source(self, traced: TrainingSetup) -> StepSource:
         """The source of a traced setup's steps, shared by every candidate that traces it; an accumulating step

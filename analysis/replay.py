@@ -66,6 +66,7 @@ class AllocatorReplay:
     peak_allocated: int  # max_memory_allocated of the measured step
     peak_allocated_op: int
     peak_reserved: int  # max_memory_reserved: the warm-up's segments stay reserved
+    retries: int  # times the measured step's cudaMalloc failed, released the cached segments and retried
     segments: list[Segment]  # cudaMalloc'd segments (or expandable ones) at the end, with their blocks
 
 
@@ -181,6 +182,7 @@ def replay_step(
         peak_allocated=allocator.peak_allocated,
         peak_allocated_op=peak_op,
         peak_reserved=allocator.peak_reserved,
+        retries=allocator.retries,
         segments=list(allocator.segments),
     )
 

@@ -48,6 +48,9 @@ class MemoryReport:
     transfers: list[Transfer] = field(default_factory=list)  # host <-> device copies per step (offloading)
     reserved_bytes: int | None = None  # max_memory_reserved (CUDA only)
     device_total_bytes: int | None = None  # reserved plus the CUDA context: what nvidia-smi shows
+    # Times per step the caching allocator found the GPU full, released its cached segments and retried
+    # (memory_stats' num_alloc_retries): the step runs, each time waiting for the release.
+    allocator_retries: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def set_device_memory(self, reserved_bytes: int, context_bytes: int) -> None:
@@ -101,6 +104,7 @@ class MemoryReport:
             "peak_bytes": self.peak_bytes,
             "reserved_bytes": self.reserved_bytes,
             "device_total_bytes": self.device_total_bytes,
+            "allocator_retries": self.allocator_retries,
             "peak_op": self.peak_op,
             "peak_module": self.peak_module,
             "peak_phase": self.peak_phase,
@@ -219,6 +223,13 @@ def _device_lines(report: MemoryReport) -> list[str]:
         lines.append(
             f"Device memory in use (as nvidia-smi shows it): {format_bytes(report.device_total_bytes)}, with "
             f"{format_bytes(context)} of CUDA context"
+        )
+    if report.allocator_retries:
+        times = "once" if report.allocator_retries == 1 else f"{report.allocator_retries} times"
+        lines.append(
+            f"The caching allocator fills the GPU {times} per step and releases its cached segments to go on "
+            "(cudaMalloc retries: memory_stats' num_alloc_retries): the step runs, slower for each release; "
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (--expandable-segments) fragments less"
         )
     return lines
 

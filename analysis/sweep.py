@@ -96,6 +96,7 @@ def run_sweep(
     step traced at the largest batch swept (else each is traced): where that takes fewer traces than one per batch
     size. A device map's points are traced each."""
     combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    capacity = MemoryBudget(gpu.memory_bytes).allocator_capacity(gpu.context_bytes) if gpu else None
     sources: dict[TrainingSetup, StepSource] = {}
     batches = set(axes.get("batch", (setup.batch_size,)))
     first = StepSource.LINE_FIRST
@@ -114,7 +115,8 @@ def run_sweep(
                 sources[key] = StepSource(model, key, lines=lines)
                 sources[key].keep_line_if_it_reaches(max(batches))
             source = sources[key]
-            report = LayoutEstimate(model.model_id, prepared, source).evaluate(point_setup.batch_size).report
+            estimate = LayoutEstimate(model.model_id, prepared, source, capacity=capacity)
+            report = estimate.evaluate(point_setup.batch_size).report
         points.append(SweepPoint(values, report))
     return Sweep(axes, points, gpu)
 

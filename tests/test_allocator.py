@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from analysis.allocator import MIB, AllocatorConfig, CachingAllocator, OutOfMemory, block_size, segment_size
+from analysis.estimate import analyze
 from analysis.peak import find_peak, timeline
 from analysis.replay import replay_step, workspace_first_use
 from tests.tiny_models import tiny_model
@@ -13,7 +14,7 @@ from tracer.graph import build_graph
 from tracer.roles import Phase, Role
 from tracer.trace import Op, Storage, Trace
 from tracer.tracing import trace_step
-from tracer.training import TrainingSetup
+from tracer.training import Target, TrainingSetup
 
 KIB = 1024
 
@@ -85,6 +86,20 @@ def test_failed_cudamalloc_releases_cached_segments_then_raises():
     assert (allocator.reserved, allocator.peak_reserved) == (32 * MIB, 32 * MIB)
     with pytest.raises(OutOfMemory):
         allocator.malloc(10 * MIB)
+
+
+def test_a_step_that_fills_the_gpu_releases_the_cache_and_retries():
+    """A step whose cached segments would outgrow what the GPU can reserve: PyTorch's allocator releases them when
+    cudaMalloc fails and retries, so the step runs if what it allocates fits; where it does not, no release helps."""
+    model = tiny_model("llama", hidden_size=256, intermediate_size=1024, vocab_size=8000)
+    setup = TrainingSetup(target=Target.CUDA, batch_size=4, seq_len=512)
+    free = analyze(model, setup)
+    assert free.allocator_retries == 0 and free.reserved_bytes > free.peak_bytes + 16 * MIB
+    capacity = free.reserved_bytes - 8 * MIB
+    full = analyze(model, setup, capacity=capacity)
+    assert full.allocator_retries > 0 and full.reserved_bytes <= capacity and full.peak_bytes == free.peak_bytes
+    short = analyze(model, setup, capacity=free.peak_bytes - MIB)
+    assert (short.reserved_bytes, short.allocator_retries) == (free.reserved_bytes, 0)
 
 
 def test_empty_cache_releases_only_segments_with_nothing_in_use():

@@ -343,7 +343,7 @@ def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     ("family", "message"),
     [
         ("gpt2", "transformers defines none for GPT2"),
-        ("llama4_text", "packed_rowwise"),
+        ("llama4_text", "--tp in training: Llama4Text's MoE layer adds the routed experts' output"),
         ("deepseek_v2", "mla_kv_a_proj"),
     ],
 )

@@ -16,6 +16,7 @@ from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
 from analysis.plan import Candidate, _in_processes, _largest_fitting, candidates, plan
+from analysis.report import MemoryReport
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from analysis.sweep import run_sweep
 from strategies.layout import Layout, Rank, prepare
@@ -103,6 +104,12 @@ def test_data_parallel_rewrite_carries_the_line(layout, options):
 
 
 @pytest.mark.slow
+def _analyze(budget: MemoryBudget, model, setup: TrainingSetup, layout: Layout) -> MemoryReport:
+    """``analyze`` as the planner runs it (and the command line): the allocator's cudaMalloc fails where the budget
+    ends, and there it releases its cache and retries."""
+    return analyze(model, setup, layout, capacity=budget.allocator_capacity(find_gpu(setup.gpu).context_bytes))
+
+
 def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     """For every layout the planner keeps, ``analyze`` at its micro-batch fits the budget and at one more
     does not (or the micro-batch is the per-rank share of the global batch)."""
@@ -115,8 +122,10 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
         layout = outcome.candidate.layout
         setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing)
         if outcome.fits:
-            assert budget.fits(analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout))
-        assert not budget.fits(analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch + 1), layout))
+            chosen = dataclasses.replace(setup, batch_size=outcome.micro_batch)
+            assert budget.fits(_analyze(budget, model, chosen, layout))
+        larger = dataclasses.replace(setup, batch_size=outcome.micro_batch + 1)
+        assert not budget.fits(_analyze(budget, model, larger, layout))
         checked += 1
     assert checked >= 10
     assert any(o.micro_batch > 3 for o in result.outcomes)  # batches off the line were chosen, not only traced ones
@@ -179,7 +188,7 @@ def test_global_batch_sets_accumulation_and_time_ranks_fitting_layouts():
         setup = dataclasses.replace(
             SETUP, batch_size=micro, grad_accum=per_rank // micro, grad_checkpointing=outcome.candidate.checkpointing
         )
-        return budget.fits(analyze(model, setup, outcome.candidate.layout))
+        return budget.fits(_analyze(budget, model, setup, outcome.candidate.layout))
 
     for outcome in fitting[::3]:  # the choice against fresh traces: it fits, the next larger divisor does not
         per_rank = whole // outcome.candidate.layout.dp
@@ -349,7 +358,7 @@ def test_pipeline_layouts_are_planned_with_their_bubble():
         assert outcome.micro_batch * outcome.accumulation * layout.dp == 16
         assert outcome.time.pipeline_bubble_s > 0
         setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing)
-        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        report = _analyze(budget, model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
     none = plan(model, SETUP, 4, Cluster(gpu), budget, offload=False, pipeline="auto")
     assert all(o.candidate.layout.pp == 1 for o in none.outcomes)
@@ -391,7 +400,8 @@ def test_long_sequences_are_planned_with_context_parallelism():
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.fits]
     assert {(o.candidate.layout.cp, o.candidate.layout.tp) for o in ringed} == {(2, 1), (4, 1), (2, 2)}
     for outcome in ringed:
-        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), outcome.candidate.layout)
+        chosen = dataclasses.replace(setup, batch_size=outcome.micro_batch)
+        report = _analyze(budget, model, chosen, outcome.candidate.layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes
         assert outcome.time.communication_s > 0
 
@@ -413,7 +423,7 @@ def test_long_sequences_are_pipelined_with_context_parallelism():
     for outcome in ringed:
         layout = outcome.candidate.layout
         assert outcome.fits and layout.pp == 2 and layout.stage_microbatches == outcome.accumulation
-        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        report = _analyze(budget, model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes, layout.describe()
         assert outcome.time.pipeline_bubble_s > 0 and outcome.time.communication_s > 0
 
@@ -431,7 +441,7 @@ def test_moe_models_are_planned_with_expert_parallelism():
     for outcome in expert_parallel:
         layout = outcome.candidate.layout
         assert outcome.fits and layout.routing_imbalance == 1.5
-        report = analyze(model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
+        report = _analyze(budget, model, dataclasses.replace(setup, batch_size=outcome.micro_batch), layout)
         assert budget.needed_bytes(report) == outcome.needed_bytes, layout.describe()
         assert outcome.time.communication_s > 0
     dense, skipped = candidates(tiny_model("llama"), SETUP, 8, Cluster(gpu))
