@@ -28,14 +28,12 @@ memory, the chunked-prefill size and the CUDA-graph batch sizes (PR #10975), so 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from analysis.allocator import CachingAllocator
-from analysis.vllm_weights import RankWeights, rank_parameters, rank_weights, rotary_caches
+from analysis.vllm_weights import RankWeights, load_replay, rank_weights, rotary_caches
 from tracer.errors import UserError
 from tracer.published import quant_method
 
@@ -43,14 +41,6 @@ KV_CACHE_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": to
 # ServerArgs.__post_init__ in v0.4.x: the least tensor-parallel degree of each step, and its fraction
 DEFAULT_FRACTIONS = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
 SLIDING = "sliding_attention"
-# The projections SGLang fuses into one parameter (QKVParallelLinear, MergedColumnParallelLinear), made where the
-# first of them is: the parameter's name with the projection's replaced by the fused one's.
-FUSED = (
-    (re.compile(r"\.[qkv]_proj\.(weight|bias)$"), r".qkv_proj.\1"),
-    (re.compile(r"\.(gate|up)_proj\.weight$"), ".gate_up_proj.weight"),
-)
-FP32_BYTES = 4
-ROTARY_MADE_AFTER = re.compile(r"\.o_proj\.weight$")  # the first attention makes the rotary embedding after it
 
 
 @dataclass(frozen=True)
@@ -108,45 +98,20 @@ def sglang_startup(config, setup: SglangSetup) -> SglangStartup:
     fraction = setup.mem_fraction_static or default_mem_fraction_static(setup.tensor_parallel_size)
     tp = setup.tensor_parallel_size
     lengths, rotary_dim = rotary_caches(config)
-    weights = RankWeights(rank_weights(model, config, tp).parameter_bytes, sum(lengths) * rotary_dim * FP32_BYTES)
+    rotary = sum(lengths) * rotary_dim * torch.float32.itemsize
+    weights = RankWeights(rank_weights(model, config, tp).parameter_bytes, rotary)
     loaded = loaded_bytes(model, config, tp)
     return SglangStartup(setup, fraction, weights, dtype, cell_bytes(config, setup, dtype), loaded)
 
 
 def loaded_bytes(model: nn.Module, config, tp: int) -> int:
     """What loading ``model`` takes of one of ``tp`` ranks' device, as SGLang builds it (v0.4.2.post1 to 0.5.8):
-    its parameters allocated on the GPU in the order its modules make them (model_loader/loader.py, ``with
-    target_device``), q/k/v and gate/up each fused into one; the first attention's rotary embedding right after
-    its ``o_proj``, whose cos/sin cache SGLang keeps in float32 on CUDA (rotary_embedding.py, "cache needs to be in
-    FP32") after its temporaries; then ``empty_cache()`` and what the caching allocator still holds in segments.
-    The checkpoint's tensors are read on the host and copied into the parameters, so they leave nothing behind."""
-    allocations: dict[str, int] = {}  # in the order of each one's first part
-    for name, nbytes in rank_parameters(model, config, tp):
-        fused = next((pattern.sub(part, name) for pattern, part in FUSED if pattern.search(name)), name)
-        allocations[fused] = allocations.get(fused, 0) + nbytes
-    allocator = CachingAllocator()
-    lengths, rotary_dim = rotary_caches(config)
-    rotary_made = False
-    for name, nbytes in allocations.items():
-        allocator.malloc(nbytes)
-        if not rotary_made and ROTARY_MADE_AFTER.search(name):
-            rotary_made = True
-            for positions in lengths:
-                _rotary_cache(allocator, positions, rotary_dim)
+    :func:`load_replay`, with the rotary cache SGLang keeps in float32 on CUDA (rotary_embedding.py, "cache needs to
+    be in FP32"); then ``empty_cache()`` and what the caching allocator still holds in segments. The checkpoint's
+    tensors are read on the host and copied into the parameters, so they leave nothing behind."""
+    allocator = load_replay(model, config, tp, rotary_dtype=torch.float32)
     allocator.empty_cache()
     return allocator.reserved
-
-
-def _rotary_cache(allocator: CachingAllocator, positions: int, rotary_dim: int) -> None:
-    """``RotaryEmbedding._compute_cos_sin_cache`` on the GPU: ``t = arange(positions)``, ``freqs = einsum(t,
-    inv_freq)``, ``cos``, ``sin`` and their ``cat``, the cache kept; the rest freed as the function returns
-    (``inv_freq`` and its temporaries are a few hundred bytes)."""
-    half = rotary_dim // 2
-    temporaries = [allocator.malloc(half * FP32_BYTES), allocator.malloc(positions * FP32_BYTES)]  # inv_freq, t
-    temporaries += [allocator.malloc(positions * half * FP32_BYTES) for _ in range(3)]  # freqs, cos, sin
-    allocator.malloc(positions * rotary_dim * FP32_BYTES)  # the cache
-    for block in temporaries:
-        allocator.free(block)
 
 
 def cell_bytes(config, setup: SglangSetup, dtype: torch.dtype) -> int:

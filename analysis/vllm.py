@@ -79,7 +79,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from analysis.vllm_weights import VOCAB_PADDING, WNA16, RankWeights, rank_weights, vision_bytes
+from analysis.vllm_weights import (
+    FLASHINFER_MLA_WORKSPACE,
+    HOPPER,
+    VOCAB_PADDING,
+    WNA16,
+    RankWeights,
+    load_replay,
+    rank_weights,
+    vision_bytes,
+)
 from tracer.cuda.workspaces import cublas_workspace_bytes
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
@@ -208,6 +217,11 @@ def vllm_startup(config, setup: VllmSetup, multimodal=None, multimodal_missing: 
     tp = setup.tensor_parallel_size
     weights = rank_weights(model, config, tp, setup.quantization or method, setup.gpu.compute_capability)
     vision_missing = multimodal_missing
+    if not (setup.quantization or method):  # vLLM's loading takes whole blocks; quantized layers' are not replayed
+        blocks = load_replay(model, config, tp, rotary_dtype=dtype).allocated
+        weights = dataclasses.replace(weights, rounding_bytes=blocks - weights.parameter_bytes - weights.rotary_bytes)
+    if getattr(config, "kv_lora_rank", None) and setup.gpu.compute_capability[0] == HOPPER[0]:
+        weights = dataclasses.replace(weights, workspace_bytes=FLASHINFER_MLA_WORKSPACE)
     if multimodal is not None:
         vision = vision_bytes(multimodal, tp, dtype)
         if vision is None:
@@ -413,6 +427,8 @@ def startup_json(startup: VllmStartup) -> dict:
         "requested_bytes": startup.requested_bytes,
         "weights_bytes": startup.weights.total,
         "weight_kernels": startup.weights.kernels,
+        "weights_allocator_rounding_bytes": startup.weights.rounding_bytes,
+        "weights_workspace_bytes": startup.weights.workspace_bytes,
         "activation_peak_bytes": startup.activation_peak_bytes,
         "activation_peak_by_part": startup.activation_parts,
         "non_torch_bytes": startup.setup.non_torch_bytes,
@@ -447,6 +463,10 @@ def render_startup(model, startup: VllmStartup) -> str:
     kernels = "".join(f", {count} layers on {kernel}" for kernel, count in startup.weights.kernels.items())
     if startup.weights.vision_bytes:
         kernels += f", vision tower and projector {gib(startup.weights.vision_bytes)}"
+    if startup.weights.rounding_bytes:
+        kernels += f", the caching allocator's whole blocks {gib(startup.weights.rounding_bytes)} more"
+    if startup.weights.workspace_bytes:
+        kernels += f", FlashInfer-MLA's workspace {gib(startup.weights.workspace_bytes)}"
     window = f", window {startup.layout.sliding_window}" if startup.layout.sliding_window else ""
     lines = [
         f"{model.model_id} served by vLLM (V1 engine), tensor parallel {setup.tensor_parallel_size}; per GPU:",

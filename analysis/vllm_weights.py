@@ -117,6 +117,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from analysis.allocator import CachingAllocator
 from tracer.errors import UserError
 from tracer.packed import AWQ_FORMAT, GPTQ_FORMATS, PACK_BITS
 from tracer.published import MXFP4_VALUES_PER_SCALE
@@ -132,6 +133,17 @@ MACHETE_GROUP_SIZES = (-1, 64, 128)  # machete_utils.py: query_machete_supported
 MACHETE_BLOCK = (64, 128)  # machete_utils.py: MACHETE_PREPACKED_BLOCK_SHAPE, input and output features per rank
 MARLIN_MIN_THREAD = (128, 64)  # marlin_utils.py: GPTQ_MARLIN_MIN_THREAD_K and _N, input and output features per rank
 HOPPER = (9, 0)  # MacheteLinearKernel.can_implement: is_device_capability(90)
+# vllm/v1/attention/backends/mla/flashinfer_mla.py (0.19.0) makes g_fi_workspace = torch.zeros(128 MiB, uint8) on the
+# GPU as it is imported, which the first MLA attention does while vLLM lists the MLA backends of a capability-9 GPU
+# (platforms/cuda.py get_valid_backends imports each, FLASHINFER_MLA among them, before ruling it out).
+FLASHINFER_MLA_WORKSPACE = 128 * 1024**2
+# The projections vLLM and SGLang fuse into one parameter (QKVParallelLinear, MergedColumnParallelLinear), made where
+# the first of them is: the parameter's name with the projection's replaced by the fused one's.
+FUSED_ON_LOAD = (
+    (re.compile(r"\.[qkv]_proj\.(weight|bias)$"), r".qkv_proj.\1"),
+    (re.compile(r"\.(gate|up)_proj\.weight$"), ".gate_up_proj.weight"),
+)
+ROTARY_MADE_AFTER = re.compile(r"\.o_proj\.weight$")  # the first attention makes the rotary embedding after it
 MIN_CAPABILITY = (7, 5)  # GPTQMarlinConfig's and AWQMarlinConfig's get_min_capability; Marlin's quant types from sm75
 INDEX_BYTES = torch.int32.itemsize  # g_idx, g_idx_sort_indices and Machete's perm are int32
 WORD_BYTES = torch.int32.itemsize  # packed weights and zero points: int32 words of ``pack`` values
@@ -162,10 +174,14 @@ class RankWeights:
     rotary_bytes: int  # the cos/sin caches get_rope keeps
     kernels: dict[str, int] = field(default_factory=dict)  # GPTQ/AWQ: vLLM's kernel -> how many layers run on it
     vision_bytes: int = 0  # a multimodal checkpoint's vision tower and projector
+    # What the caching allocator's blocks hold beyond the tensors (a request of 10 MiB or more gets a segment rounded
+    # up to 2 MiB, handed out whole when less than 1 MiB would be left): max_memory_allocated counts blocks
+    rounding_bytes: int = 0
+    workspace_bytes: int = 0  # buffers a module makes as it is imported while the model is built
 
     @property
     def total(self) -> int:
-        return self.parameter_bytes + self.rotary_bytes + self.vision_bytes
+        return self.parameter_bytes + self.rotary_bytes + self.vision_bytes + self.rounding_bytes + self.workspace_bytes
 
 
 def vision_bytes(multimodal, tp: int, dtype: torch.dtype) -> int | None:
@@ -467,6 +483,45 @@ def _quantized_linear(name: str) -> bool:
     if not name.endswith(("weight", "proj")):  # the experts' weights are ``...experts.gate_up_proj``
         return False
     return bool(_KEY_VALUE.search(name) or _COLUMN.search(name) or _ROW.search(name) or _EXPERTS.search(name))
+
+
+def load_replay(model: nn.Module, config, tp: int, rotary_dtype: torch.dtype) -> CachingAllocator:
+    """The caching allocator of one of ``tp`` ranks once a 16-bit ``model`` is built on the GPU as vLLM and SGLang
+    build it (their model loaders allocate under ``with target_device``, then copy the checkpoint in from the host):
+    its parameters in the order its modules make them, q/k/v and gate/up each fused into one (``QKVParallelLinear``,
+    ``MergedColumnParallelLinear``); the first attention's rotary embedding right after its ``o_proj``, whose cos/sin
+    cache is computed in float32 (``_compute_cos_sin_cache``: ``t``, ``freqs``, ``cos``, ``sin``, their ``cat``) and
+    kept in ``rotary_dtype``."""
+    allocations: dict[str, int] = {}  # in the order of each one's first part
+    for name, nbytes in rank_parameters(model, config, tp):
+        fused = next((pattern.sub(part, name) for pattern, part in FUSED_ON_LOAD if pattern.search(name)), name)
+        allocations[fused] = allocations.get(fused, 0) + nbytes
+    allocator = CachingAllocator()
+    lengths, rotary_dim = rotary_caches(config)
+    rotary_made = False
+    for name, nbytes in allocations.items():
+        allocator.malloc(nbytes)
+        if not rotary_made and ROTARY_MADE_AFTER.search(name):
+            rotary_made = True
+            for positions in lengths:
+                _rotary_cache(allocator, positions, rotary_dim, rotary_dtype)
+    return allocator
+
+
+def _rotary_cache(allocator: CachingAllocator, positions: int, rotary_dim: int, dtype: torch.dtype) -> None:
+    """``RotaryEmbedding._compute_cos_sin_cache`` on the GPU: ``t = arange(positions)``, ``freqs = einsum(t,
+    inv_freq)``, ``cos``, ``sin`` and their ``cat``, the cache kept (cast to ``dtype``); the rest freed as the
+    function returns (``inv_freq`` and its temporaries are a few hundred bytes)."""
+    fp32 = torch.float32.itemsize
+    half = rotary_dim // 2
+    temporaries = [allocator.malloc(half * fp32), allocator.malloc(positions * fp32)]  # inv_freq, t
+    temporaries += [allocator.malloc(positions * half * fp32) for _ in range(3)]  # freqs, cos, sin
+    cache = allocator.malloc(positions * rotary_dim * fp32)
+    for block in temporaries:
+        allocator.free(block)
+    if dtype != torch.float32:
+        allocator.malloc(positions * rotary_dim * dtype.itemsize)
+        allocator.free(cache)
 
 
 def rank_parameters(model: nn.Module, config, tp: int) -> Iterator[tuple[str, int]]:
