@@ -505,6 +505,9 @@ def load_replay(model: nn.Module, config, tp: int, rotary_dtype: torch.dtype) ->
             rotary_made = True
             for positions in lengths:
                 _rotary_cache(allocator, positions, rotary_dim, rotary_dtype)
+    if not rotary_made:  # attention without an o_proj (GPT-NeoX's dense): where exactly is not modelled
+        for positions in lengths:
+            _rotary_cache(allocator, positions, rotary_dim, rotary_dtype)
     return allocator
 
 

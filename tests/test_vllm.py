@@ -370,3 +370,16 @@ def test_serve_says_when_it_cannot_count_the_vision_tower(capsys, tmp_path):
     code, out, _ = _run(capsys, "serve", str(path), "--max-model-len", "8192", "--json")
     assert json.loads(out)["vision_tower_not_counted"].endswith("no_such_vision")
     assert vision_bytes(CLIPConfig(), 1, torch.bfloat16) is None  # no image-text-to-text model: the caller says so
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "qwen3_moe", "deepseek_v3"])
+def test_loading_counts_whole_blocks_and_mla_the_flashinfer_workspace(family):
+    """The weights are the allocator's blocks, never less than the tensors (GPT-NeoX's attention has no o_proj to
+    place the rotary embedding after); MLA on a capability-9 GPU adds the 128 MiB FlashInfer-MLA workspace its
+    backend's import makes, not on a capability-8 one."""
+    config = tiny_model(family).config
+    hopper = vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB)).weights
+    ampere = vllm_startup(config, VllmSetup(gpu_memory_bytes=GIB, gpu=find_gpu("a100-80gb"))).weights
+    assert hopper.rounding_bytes >= 0 and hopper.rounding_bytes == ampere.rounding_bytes
+    mla = getattr(config, "kv_lora_rank", None) is not None
+    assert (hopper.workspace_bytes, ampere.workspace_bytes) == ((128 * 1024**2, 0) if mla else (0, 0))
