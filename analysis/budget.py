@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from analysis.report import MemoryReport
 from tracer.units import format_bytes
+
+if TYPE_CHECKING:
+    from tracer.gpus import Gpu
 
 # Share of the GPU's capacity kept free. What the estimate does not hold: torch reports a little less total
 # memory than the datasheet (79.1-79.3 GiB of an 80 GB part), NCCL's communicator buffers, the side streams'
@@ -72,3 +76,9 @@ class MemoryBudget:
             f"reserved memory + CUDA context <= {format_bytes(self.usable_bytes)} "
             f"({100 - 100 * self.margin:g}% of {format_bytes(self.capacity_bytes)})"
         )
+
+
+def default_allocator_capacity(gpu: Gpu | None) -> int | None:
+    """:meth:`MemoryBudget.allocator_capacity` of ``gpu`` under the default margin, where ``analyze`` and ``sweep``
+    judge the fit; None without a GPU (``--target cpu``), where the allocator never runs out."""
+    return MemoryBudget(gpu.memory_bytes).allocator_capacity(gpu.context_bytes) if gpu else None

@@ -267,13 +267,12 @@ def _run_gpus(args: argparse.Namespace) -> int:
 def _estimate(args: argparse.Namespace, model, setup: TrainingSetup, layout):
     """The estimate, with a progress bar on stderr (decoder layers in forward and backward, then ranks); under a
     device map, every GPU's."""
-    from analysis.budget import MemoryBudget
+    from analysis.budget import default_allocator_capacity
     from analysis.device_map import estimate_device_map
     from analysis.estimate import estimate
 
     _warn_about_length(model, setup)
-    gpu = _target_gpu(setup)
-    capacity = MemoryBudget(gpu.memory_bytes).allocator_capacity(gpu.context_bytes) if gpu else None
+    capacity = default_allocator_capacity(_target_gpu(setup))
     start = time.perf_counter()
     with _progress_bar(args, f"tracing {model.model_id}", unit="", leave=False) as bar:
         if setup.device_map is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from analysis.budget import MemoryBudget
+from analysis.budget import MemoryBudget, default_allocator_capacity
 from analysis.device_map import estimate_device_map
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.report import MemoryReport
@@ -96,7 +96,7 @@ def run_sweep(
     step traced at the largest batch swept (else each is traced): where that takes fewer traces than one per batch
     size. A device map's points are traced each."""
     combinations = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
-    capacity = MemoryBudget(gpu.memory_bytes).allocator_capacity(gpu.context_bytes) if gpu else None
+    capacity = default_allocator_capacity(gpu)
     sources: dict[TrainingSetup, StepSource] = {}
     batches = set(axes.get("batch", (setup.batch_size,)))
     first = StepSource.LINE_FIRST
