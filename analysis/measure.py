@@ -173,7 +173,8 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
 
     if cuda:
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats()  # which leaves num_alloc_retries counting since the process began
+        retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     with recorder.recording():
         if setup.mode == "inference":
             step.run(batch, recorder.enter, recorder=recorder)
@@ -196,6 +197,7 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         free, total = torch.cuda.mem_get_info()
         report.reserved_bytes = torch.cuda.max_memory_reserved()
         report.device_total_bytes = total - free  # the whole device: other processes count too
+        report.allocator_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     else:
         report.peak_bytes = meter.peak
     return StepResult(report, step_graph, line)

@@ -7,7 +7,9 @@ by default) and prints, per case: measured ``max_memory_allocated`` and ``max_me
 of both (``analyze`` with the same setup, for the GPU it ran on), and the formulas of analysis/formulas.py on
 the same setup (the 16 bytes/parameter rule, DeepSpeed's model-state estimator, accelerate's estimate-memory,
 LLMem); then the median and largest |error| of each against max_memory_allocated (ours reserved against
-max_memory_reserved).
+max_memory_reserved). Cases measured under an allocator capacity (a GPU made full) are estimated under the same
+limit and listed again: whether the step fitted, how often the allocator released its cache and retried in the
+measured step, and the reserved peak, measured and ours.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from strategies.layout import Layout, Rank
 from tracer.gpus import gpu_for_device_name
 from tracer.resolve import resolve_model
 from tracer.training import Target
+from tracer.units import GIB
 
 PEERS = ("16 B/param", "DeepSpeed", "accelerate", "LLMem")  # analysis/formulas.py's names
 
@@ -40,7 +43,7 @@ def load_results(data: Path) -> list[dict]:
     results = []
     for path in sorted(data.rglob("*.json")):
         result = json.loads(path.read_text())
-        if result.get("target") == "cuda" and result.get("max_memory_allocated"):
+        if result.get("target") == "cuda" and (result.get("max_memory_allocated") or "out_of_memory" in result):
             results.append(result)
     return results
 
@@ -55,17 +58,26 @@ def compare(result: dict) -> dict:
     layout = Layout(**case.layout)
     # CUDA's kernel choices as the torch that ran the case makes them (cuDNN attention came first in 2.11)
     measured_torch = _minor_version(result["environment"]["torch"])
+    limit = result.get("allocator_limit_bytes")
     with patch("tracer.cuda.kernels.installed_torch_version", lambda: measured_torch):
-        report = analyze(model, setup, layout)
+        report = analyze(model, setup, layout, capacity=limit)
     report = next((rank for rank in report.ranks if rank.rank == Rank()), report)  # the harness measures rank 0
     row = {
         "case": case.name,
         "device": result["environment"]["device"],
-        "measured": result["max_memory_allocated"],
-        "measured_reserved": result["max_memory_reserved"],
+        "measured": result.get("max_memory_allocated"),
+        "measured_reserved": result.get("max_memory_reserved"),
         "ours": report.peak_bytes,
         "ours_reserved": report.reserved_bytes,
     }
+    if limit is not None:
+        # the estimate's replay goes on without the limit where even a release does not make room
+        row |= {
+            "limit": limit,
+            "measured_retries": result.get("allocator_retries"),
+            "ours_fits": report.reserved_bytes <= limit,
+            "ours_retries": report.allocator_retries,
+        }
     for formula in formula_estimates(model_shape(model, setup), setup, layout):
         if formula.name in PEERS:
             row[formula.name] = formula.total
@@ -95,7 +107,8 @@ def main() -> int:
             file=sys.stderr,
         )
         return 1
-    rows = [compare(result) for result in results]
+    compared = [compare(result) for result in results]
+    rows = [row for row in compared if row["measured"] is not None]
     estimators = {"ours": "measured", "ours_reserved": "measured_reserved", **{peer: "measured" for peer in PEERS}}
     errors: dict[str, list[float]] = {name: [] for name in estimators}
     table = []
@@ -117,9 +130,32 @@ def main() -> int:
     ]
     print()
     print(tabulate(summary, headers=["estimator", "cases", "median |error|", "max |error|"], tablefmt=fmt))
-    devices = sorted({row["device"] for row in rows})
-    print(f"\n{len(rows)} cases measured on {', '.join(devices)}")
+    capped = [row for row in compared if "limit" in row]
+    if capped:
+        print()
+        print(tabulate([_capacity_line(row) for row in capped], headers=CAPACITY_HEADERS, tablefmt=fmt))
+    devices = sorted({row["device"] for row in compared})
+    out_of_memory = f", {len(compared) - len(rows)} of them out of memory" if len(rows) < len(compared) else ""
+    print(f"\n{len(compared)} cases measured on {', '.join(devices)}{out_of_memory}")
     return 0
+
+
+CAPACITY_HEADERS = ["case under a capacity", "limit (GiB)", "measured", "ours", "reserved: measured / ours (GiB)"]
+
+
+def _capacity_line(row: dict) -> list:
+    def outcome(fits: bool, retries: int | None) -> str:
+        return f"fits, {retries} retries" if fits else "out of memory"
+
+    measured_fits = row["measured"] is not None
+    reserved = f"{row['measured_reserved'] / GIB:.3f} / {row['ours_reserved'] / GIB:.3f}" if measured_fits else ""
+    return [
+        row["case"],
+        f"{row['limit'] / GIB:.2f}",
+        outcome(measured_fits, row["measured_retries"]),
+        outcome(row["ours_fits"], row["ours_retries"]),
+        reserved,
+    ]
 
 
 if __name__ == "__main__":

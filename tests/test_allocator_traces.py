@@ -17,6 +17,10 @@ the allocator's rules and that the model could not know from the alloc/free sequ
   does when it compiles the decoding step (mode "reduce-overhead"). The first ``segment_free`` of a run of
   them is replayed as ``CachingAllocator.empty_cache``.
 
+A case measured under an allocator capacity (``set_per_process_memory_fraction``) is replayed under the same
+limit: there its ``segment_free`` events are the allocator's own releases after a failed ``cudaMalloc``, which the
+model must make at the same allocations, and its ``oom`` event a request the model must fail too.
+
 The traces hold no ``free_requested`` (a block freed while other streams still use it): ``free_completed`` is
 when the block went back to the pool, which is when the model must free it. ``recorded_peak`` sums the
 ``segment_alloc`` and ``segment_free`` sizes from the first allocation on (the history is recorded from the
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from analysis.allocator import CachingAllocator
+from analysis.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "data"
 TOLERANCE = 0.005
@@ -43,7 +48,20 @@ def _recorded(path: Path) -> list:
         return json.load(file)["events"]
 
 
+@dataclass
+class Replayed:
+    ours: int  # the model's reserved peak
+    recorded: int
+    retries: int = 0  # the model's releases after a failed cudaMalloc
+    out_of_memory: list[bool] = field(default_factory=list)  # per recorded oom event: did the model fail too
+
+
 def replayed_and_recorded_reserved_peak(trace: list, recorded_addresses: bool = True) -> tuple[int, int]:
+    replayed = replay_recorded(trace, recorded_addresses)
+    return replayed.ours, replayed.recorded
+
+
+def replay_recorded(trace: list, recorded_addresses: bool = True, capacity: int | None = None) -> Replayed:
     new_segments: list[tuple[int, int]] = []  # segment_alloc events since the last alloc: (address, bytes)
 
     def address_of_new_segment(nbytes: int) -> int | None:
@@ -51,9 +69,11 @@ def replayed_and_recorded_reserved_peak(trace: list, recorded_addresses: bool = 
             return new_segments.pop()[0]
         return None
 
-    allocator = CachingAllocator(addresses=address_of_new_segment if recorded_addresses else None)
+    config = AllocatorConfig(capacity=capacity)
+    allocator = CachingAllocator(config, addresses=address_of_new_segment if recorded_addresses else None)
     blocks = {}
     reserved = recorded_peak = 0
+    out_of_memory = []
     previous = None
     for action, address, size, stream in trace:
         if action == "alloc":
@@ -66,14 +86,22 @@ def replayed_and_recorded_reserved_peak(trace: list, recorded_addresses: bool = 
             reserved += size
             recorded_peak = max(recorded_peak, reserved)
         elif action in ("segment_free", "segment_unmap"):
-            if previous not in ("segment_free", "segment_unmap"):
+            if capacity is None and previous not in ("segment_free", "segment_unmap"):
                 allocator.empty_cache()
             reserved -= size
+        elif action == "oom":
+            try:
+                allocator.malloc(size, stream)
+                out_of_memory.append(False)
+            except OutOfMemory:
+                out_of_memory.append(True)
         previous = action
-    return allocator.peak_reserved, recorded_peak
+    return Replayed(allocator.peak_reserved, recorded_peak, allocator.retries, out_of_memory)
 
 
 CASES = sorted(DATA.rglob("*.trace.json.gz"))
+CAPPED = [path for path in CASES if "__capacity-" in path.name]
+CASES = [path for path in CASES if path not in CAPPED]
 
 
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
@@ -105,3 +133,16 @@ def test_reserved_peak_with_the_models_own_addresses(path):
     """What an estimate does: the model chooses the segments' addresses (``empty_cache`` is still replayed)."""
     ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path), recorded_addresses=False)
     assert ours == pytest.approx(recorded, rel=TOLERANCE)
+
+
+@pytest.mark.skipif(not CAPPED, reason="no trace measured under an allocator capacity yet")
+@pytest.mark.parametrize("path", CAPPED, ids=lambda path: path.stem)
+@pytest.mark.parametrize("recorded_addresses", [True, False], ids=["driver-addresses", "own-addresses"])
+def test_a_full_gpu_releases_and_retries_where_the_recorded_run_did(path, recorded_addresses):
+    """Under the recorded run's limit the model releases its cache as often, reaches the same reserved peak, and
+    fails the request the run failed (and only that one)."""
+    result = json.loads(path.with_name(path.name.replace(".trace.json.gz", ".json")).read_text())
+    replayed = replay_recorded(_recorded(path), recorded_addresses, capacity=result["allocator_limit_bytes"])
+    assert replayed.retries == result["allocator_retries_since_start"]  # a release may free nothing: still a retry
+    assert replayed.ours == replayed.recorded
+    assert replayed.out_of_memory == ([True] if "out_of_memory" in result else [])

@@ -1,13 +1,17 @@
 """The ground-truth matrix: which real steps to measure on a GPU, each as a JSON-able case.
 
 A case names a model (a bundled Hugging Face id), the setup flags of ``python -m tracer analyze`` and, for
-one rank of a parallel layout, the layout. Sizes stay within one 80 GB GPU.
+one rank of a parallel layout, the layout. Sizes stay within one 80 GB GPU. A case with an ``allocator_capacity``
+runs under ``torch.cuda.set_per_process_memory_fraction``: a ``cudaMalloc`` past it fails as on a full GPU, and the
+allocator releases its cached segments and retries (or runs out of memory), as ``analyze`` models a full GPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from tracer.units import GIB
 
 SMALL = ("openai-community/gpt2", "EleutherAI/pythia-410m", "Qwen/Qwen2.5-0.5B", "facebook/opt-350m")
 MEDIUM = ("meta-llama/Llama-3.2-1B", "google/gemma-2-2b", "EleutherAI/pythia-1.4b")
@@ -48,6 +52,17 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "pp-4-interleaved": {"gpus": 4, "pp": 4, "pp_schedule": "interleaved-1f1b", "microbatches": 4},
     "pp-4-fsdp-zero2-8": {"gpus": 8, "pp": 4, "zero": 2, "microbatches": 4},
 }
+# A full GPU, made small: capacities between the step's allocated and reserved peaks (measured on the H200), where
+# the allocator must release its cache to go on, and below what the cache's fragmentation lets fit.
+CAPACITIES: tuple[tuple[str, int, int, str, float], ...] = (  # model, batch, seq, setup, GiB
+    ("Qwen/Qwen2.5-0.5B", 4, 512, "amp-bf16-ckpt", 11),
+    ("Qwen/Qwen2.5-0.5B", 4, 512, "amp-bf16-ckpt", 9),
+    ("EleutherAI/pythia-410m", 2, 2048, "amp-bf16-ckpt", 8.5),
+    ("facebook/opt-350m", 2, 2048, "amp-bf16-ckpt", 7.5),
+    ("meta-llama/Llama-3.2-1B", 4, 512, "amp-bf16", 24.5),
+    ("meta-llama/Llama-3.2-1B", 4, 512, "amp-bf16", 23.5),
+    ("Qwen/Qwen2.5-0.5B", 2, 2048, "amp-bf16", 21),
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,7 @@ class Case:
     setup: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    allocator_capacity: int = 0  # bytes the allocator may reserve (0: the whole GPU)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,9 +86,21 @@ def _name(model: str, batch: int, seq: int, setup: str, layout: str = "") -> str
 
 def matrix(size: str) -> list[Case]:
     """``quick``: a few minutes on one GPU; ``full``: every model, shape and setup, the layouts and generate(),
-    the quick cases first (a run stopped early has them)."""
+    the quick cases first (a run stopped early has them), then the capacity cases; ``capacity``: those alone."""
+    if size == "capacity":
+        return capacity_cases()
     quick = _matrix("quick")
-    return quick if size == "quick" else quick + [case for case in _matrix("full") if case not in quick]
+    if size == "quick":
+        return quick
+    return quick + [case for case in _matrix("full") if case not in quick] + capacity_cases()
+
+
+def capacity_cases() -> list[Case]:
+    cases = []
+    for model, batch, seq, setup, gib in CAPACITIES:
+        name = _name(model, batch, seq, setup, f"capacity-{gib:g}g")
+        cases.append(Case(model, batch, seq, SETUPS[setup], name=name, allocator_capacity=int(gib * GIB)))
+    return cases
 
 
 def _matrix(size: str) -> list[Case]:

@@ -11,7 +11,9 @@ collected are skipped unless --force. ``python -m benchmarks.accuracy`` reads th
 
 ``--jobs N`` runs N cases at once on the one GPU: each process's allocator counters are its own, so the
 measurements do not change; a case that runs out of memory beside the others is measured again alone at the
-end. ``--deadline-s`` starts no case after that many seconds, so a lent GPU's time is not overrun.
+end. ``--deadline-s`` starts no case after that many seconds, so a lent GPU's time is not overrun. Cases with an
+allocator capacity (``--matrix capacity``) run after the others, in waves whose capacities fit the GPU together:
+their out-of-memory errors are results, so the GPU itself must never be what runs out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from benchmarks.ground_truth.cases import Case, matrix
 
 DATA = Path(__file__).resolve().parent / "data"
 CASE_TIMEOUT_S = 1800
+CONTEXT_ALLOWANCE = 2 * 1024**3  # a process's CUDA context and what it allocates outside the caching allocator
 
 
 def device_slug() -> str:
@@ -57,9 +60,26 @@ def run_case(case: Case, target: Path, device: str, shared_device: bool) -> subp
             return None
 
 
+def _waves(cases: list[Case], device_bytes: int, jobs: int) -> list[list[Case]]:
+    """The capacity cases in groups of at most ``jobs`` whose capacities, each with a CUDA context, fit the device
+    together (one at a time where ``device_bytes`` is 0: no GPU)."""
+    waves: list[list[Case]] = []
+    room = 0
+    for case in cases:
+        need = case.allocator_capacity + CONTEXT_ALLOWANCE
+        if not waves or len(waves[-1]) == jobs or need > room:
+            waves.append([])
+            room = device_bytes
+        waves[-1].append(case)
+        room -= need
+    return waves
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--matrix", choices=("quick", "full"), default="quick", help="which cases (default quick)")
+    parser.add_argument(
+        "--matrix", choices=("quick", "full", "capacity"), default="quick", help="which cases (default quick)"
+    )
     parser.add_argument("--only", default="", help="only cases whose name contains this text")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default data/<device>/)")
     parser.add_argument("--force", action="store_true", help="measure cases that already have a file again")
@@ -100,10 +120,16 @@ def main() -> int:
             why = f"timed out after {CASE_TIMEOUT_S} s" if done is None else done.stderr[-2000:]
             print(f"  {case.name} failed:\n{why}", file=sys.stderr, flush=True)
 
+    capped = [case for case in todo if case.allocator_capacity]
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda case: measure(case, args.jobs > 1), todo))
+        list(pool.map(lambda case: measure(case, args.jobs > 1), [case for case in todo if case not in capped]))
     for case in out_of_memory:
         measure(case, False)
+    device_bytes = torch.cuda.get_device_properties(0).total_memory if args.target == "cuda" else 0
+    for wave in _waves(capped, device_bytes, args.jobs):
+        shared = len(wave) > 1
+        with ThreadPoolExecutor(len(wave)) as pool:
+            list(pool.map(lambda case, shared=shared: measure(case, shared), wave))
     skipped = len(todo) - measured - len(failed)
     print(
         f"{measured} of {len(todo)} cases measured in {out} ({time.time() - start:.0f} s); {len(failed)} failed"

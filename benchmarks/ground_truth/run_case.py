@@ -84,7 +84,12 @@ def _driver_version() -> str | None:
 def allocator_trace() -> list[list[int | str]]:
     snapshot = torch.cuda.memory._snapshot()
     events = snapshot["device_traces"][0] if snapshot["device_traces"] else []
-    return [[e["action"], e["addr"], e["size"], e["stream"]] for e in events if e["action"] in TRACE_ACTIONS]
+    # an "oom" event has the device's free bytes where the others have an address
+    return [
+        [e["action"], e.get("addr", e.get("device_free")), e["size"], e["stream"]]
+        for e in events
+        if e["action"] in TRACE_ACTIONS
+    ]
 
 
 def process_used_bytes() -> int | None:
@@ -108,18 +113,31 @@ def run(case: Case, target: Target, shared_device: bool = False) -> dict[str, An
         )
     setup = setup_of(case, target)
     result: dict[str, Any] = {"case": case.to_json(), "environment": environment(), "target": target.value}
+    if cuda and case.allocator_capacity:
+        # the allocator's limit is int(fraction * the device's total memory), the total cudaMemGetInfo gives
+        total = torch.cuda.mem_get_info()[1]
+        torch.cuda.set_per_process_memory_fraction(case.allocator_capacity / total)
+        result["allocator_limit_bytes"] = int(case.allocator_capacity / total * total)
     if case.layout:
         from benchmarks.ground_truth.distributed import measure_rank0
 
         result |= measure_rank0(resolve_model(case.model), setup, case.layout, target)
     else:
-        report = measure(case.model, setup, check_fits=False)
-        result |= {
-            "max_memory_allocated": report.peak_bytes,
-            "max_memory_reserved": report.reserved_bytes,
-            "device_used_bytes": report.device_total_bytes,
-        }
+        try:
+            report = measure(case.model, setup, check_fits=False)
+        except torch.OutOfMemoryError as error:
+            if not case.allocator_capacity:
+                raise
+            result["out_of_memory"] = str(error).split("\n")[0]
+        else:
+            result |= {
+                "max_memory_allocated": report.peak_bytes,
+                "max_memory_reserved": report.reserved_bytes,
+                "device_used_bytes": report.device_total_bytes,
+                "allocator_retries": report.allocator_retries,
+            }
     if cuda:
+        result["allocator_retries_since_start"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         torch.cuda.synchronize()
         result["reserved_at_end"] = torch.cuda.memory_reserved()
         result["process_used_bytes"] = process_used_bytes()
