@@ -27,6 +27,7 @@ def test_no_case_runs_a_sequence_past_the_models_positions():
 def test_cases_short_of_memory_beside_others_are_told_apart():
     assert _short_of_memory("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
     assert _short_of_memory("UserError: Measuring needs about 9.3 GiB but only 9.2 GiB is free on this machine's cuda.")
+    assert _short_of_memory("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
     assert not _short_of_memory("RuntimeError: CUDA error: device-side assert triggered")
 
 

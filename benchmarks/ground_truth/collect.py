@@ -43,8 +43,9 @@ def device_slug() -> str:
 
 
 def _short_of_memory(stderr: str) -> bool:
-    """The case ran out of device memory, or measure() refused it for want of free memory."""
-    return "out of memory" in stderr.lower() or "is free on this machine" in stderr
+    """The case ran out of device memory (cuBLAS too, making its handle's workspace), or measure() refused it for
+    want of free memory."""
+    return any(sign in stderr for sign in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "is free on this machine"))
 
 
 def run_case(case: Case, target: Path, device: str, shared_device: bool) -> subprocess.CompletedProcess | None:
