@@ -4,8 +4,11 @@ A measurement runs a warm-up step, resets the peak statistics, and runs the step
 keeps every segment the warm-up reserved. The replay does the same with the one recorded step:
 
 * warm-up: parameters, buffers and inputs are allocated first (the model and batch exist before training);
-  every other storage that exists before the recorded step (optimizer states) is allocated just before the
-  first op that reads it, as optimizers create their state lazily in their first step; each cuBLAS workspace
+  the optimizer states are allocated together just before the first op that reads any of them, parameter by
+  parameter (``exp_avg`` then ``exp_avg_sq`` for each, the order of their rows), as torch's optimizers create
+  them in their first step (``Adam._init_group``; SGD's momentum buffers at their first use, all in one place
+  under foreach); every other storage that exists before the recorded step just before the first op that reads
+  it; each cuBLAS workspace
   right after the first matmul its thread runs (see ``workspace_first_use``); then the step's own
   allocations and frees, op by op;
 * measured step: the same ops again, on the allocator state the warm-up left.
@@ -30,7 +33,7 @@ from itertools import repeat
 from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
 from analysis.cudagraphs import CUDA_GRAPH_POOL, CompiledDecode, compiled_span, writes_in_place
 from analysis.liveness import holds_memory
-from tracer.graph import StepGraph
+from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
 
 DEFAULT_CONFIG = AllocatorConfig()
@@ -98,6 +101,9 @@ def replay_step(
     before: list[int] = []
     after_op = workspace_first_use(step, [s for s in sorted(sizes) if step.storages[s].role is Role.WORKSPACE])
     late = {storage_id for ids in after_op.values() for storage_id in ids}
+    states_made_at = min(
+        (min(row.users) for row in step.storages.values() if _made_in_first_step(row, sizes)), default=None
+    )
     for storage_id in sorted(sizes):
         row = step.storages[storage_id]
         if storage_id in late:
@@ -105,6 +111,8 @@ def replay_step(
         elif row.producer is None:
             if row.role in EXISTS_BEFORE_TRAINING or not row.users:
                 before.append(storage_id)
+            elif row.role is Role.OPTIMIZER_STATE:
+                first_use[states_made_at].append(storage_id)
             else:
                 first_use[min(row.users)].append(storage_id)
         else:
@@ -185,6 +193,11 @@ def replay_step(
         retries=allocator.retries,
         segments=list(allocator.segments),
     )
+
+
+def _made_in_first_step(row: StorageRow, sizes: dict[int, int]) -> bool:
+    """An optimizer state the first step creates: on the device, read in the step, made by none of its ops."""
+    return row.role is Role.OPTIMIZER_STATE and row.producer is None and bool(row.users) and row.id in sizes
 
 
 class CudaGraphWarmUp:

@@ -187,6 +187,24 @@ def test_workspace_first_use_is_its_threads_first_cublas_op():
     assert workspace_first_use(inference, [1]) == {1: [1]}
 
 
+def test_optimizer_states_are_made_together_parameter_by_parameter(monkeypatch):
+    """Adam's first step makes every state in ``_init_group`` before its math: exp_avg then exp_avg_sq of each
+    parameter in turn, as the H100's recorded traces show, not each list at the op that first reads it."""
+    setup = TrainingSetup(target=Target.CUDA, batch_size=2, seq_len=64)
+    step = build_graph(trace_step(tiny_model("llama"), setup))
+    states = sorted(
+        (row for row in step.storages.values() if row.role is Role.OPTIMIZER_STATE and row.on_device),
+        key=lambda row: row.id,
+    )
+    assert [row.name.rsplit(".", 1)[1] for row in states[:4]] == ["exp_avg", "exp_avg_sq"] * 2
+    requested = []
+    malloc = CachingAllocator.malloc
+    monkeypatch.setattr(CachingAllocator, "malloc", lambda self, n, *a: requested.append(n) or malloc(self, n, *a))
+    replay_step(step)
+    made = [row.nbytes for row in states]
+    assert any(requested[i : i + len(made)] == made for i in range(len(requested)))
+
+
 @pytest.mark.parametrize("expandable", [False, True])
 def test_replay_of_a_traced_step_only_adds_slack_to_the_timeline(expandable):
     setup = TrainingSetup(batch_size=2, seq_len=64)
