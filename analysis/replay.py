@@ -8,9 +8,8 @@ keeps every segment the warm-up reserved. The replay does the same with the one 
   parameter (``exp_avg`` then ``exp_avg_sq`` for each, the order of their rows), as torch's optimizers create
   them in their first step (``Adam._init_group``; SGD's momentum buffers at their first use, all in one place
   under foreach); every other storage that exists before the recorded step just before the first op that reads
-  it; each cuBLAS workspace
-  right after the first matmul its thread runs (see ``workspace_first_use``); then the step's own
-  allocations and frees, op by op;
+  it; each cuBLAS workspace right after the first matmul its thread runs (see ``workspace_first_use``); then
+  the step's own allocations and frees, op by op;
 * measured step: the same ops again, on the allocator state the warm-up left.
 
 Within an op, its new storages are allocated (in creation order) before the storages whose last use it was
