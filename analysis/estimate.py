@@ -22,6 +22,7 @@ from analysis.peak import PeakLine, Timeline, find_peak, timeline
 from analysis.replay import replay_step
 from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
+from strategies.tensor_parallel import foreach_refuses_mixed_parameters
 from tracer.gpus import find_gpu
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import Model, as_model
@@ -322,6 +323,9 @@ def rank_estimate(
     if replay is not None:
         report.set_device_memory(replay.peak_reserved, find_gpu(setup.gpu).context_bytes)
         report.allocator_retries = replay.retries
+    refused = foreach_refuses_mixed_parameters(setup, layout)
+    if refused:
+        report.extra["optimizer_runtime"] = refused
     return StepResult(report, rank_step, line)
 
 

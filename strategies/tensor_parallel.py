@@ -68,10 +68,12 @@ from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, Sto
 from tracer.modules import plan_pattern, within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
-from tracer.training import TrainingSetup
+from tracer.training import Target, TrainingSetup
 
 if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
     from transformers import PretrainedConfig
+
+    from strategies.layout import Layout
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -330,6 +332,25 @@ class TpPlan:
             if plan_pattern(pattern).fullmatch(module):
                 return style
         return None
+
+
+def foreach_refuses_mixed_parameters(setup: TrainingSetup, layout: Layout) -> str | None:
+    """Why the step cannot run as set up, where torch's own optimizer would take its foreach path on CUDA over
+    DTensors and plain tensors at once: tensor parallelism without sequence parallelism leaves the norms' weights
+    plain, and DTensor's foreach ops refuse the mix ("got mixed torch.Tensor and DTensor"; DTensor is among
+    ``torch.optim.optimizer._foreach_supported_types``, so CUDA's default picks foreach). FSDP2 makes every
+    parameter a DTensor, and a LoRA step's trainable adapters are of one kind."""
+    default_foreach = setup.optimizer in ("adamw", "adam", "sgd") and setup.optimizer_impl is None
+    fsdp = layout.engine == "fsdp" and layout.zero >= 2
+    if not (setup.mode == "train" and setup.target is Target.CUDA and default_foreach and setup.lora is None):
+        return None
+    if layout.tp == 1 or layout.sequence_parallel or fsdp:
+        return None
+    return (
+        f"torch's {setup.optimizer} takes its foreach path on CUDA, which refuses the plain norm weights that "
+        "tensor parallelism without --sequence-parallel leaves beside DTensors; runs pass foreach=False "
+        "(--optimizer-impl for-loop estimates that) or shard the norms (--sequence-parallel)"
+    )
 
 
 def megatron_plan(

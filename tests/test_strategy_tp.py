@@ -265,3 +265,26 @@ def test_whole_sequence_styles_refuse_sequence_parallelism(family, style):
         structure = model_structure(tiny_model(family).build(TrainingSetup(target=Target.CPU)))
     with pytest.raises(UserError, match=f"--sequence-parallel with {structure.model_class}'s {style}"):
         megatron_plan(structure, 2, 0, gathered_output=False, sequence_length=32)
+
+
+def test_a_step_whose_default_optimizer_refuses_plain_norms_beside_dtensors_says_so():
+    """Without sequence parallelism the norms stay plain tensors beside DTensors, and torch's default foreach
+    AdamW on CUDA refuses the mix (the H100 run of benchmarks/ground_truth/distributed.py failed so): the report
+    says so, and names what runs do instead. FSDP2 and sequence parallelism make every parameter a DTensor."""
+    from analysis.estimate import analyze
+    from strategies.tensor_parallel import foreach_refuses_mixed_parameters
+
+    setup = TrainingSetup(target=Target.CUDA, batch_size=1, seq_len=32)
+    tp = Layout(gpus=2, tp=2)
+    report = analyze(tiny_model("llama"), setup, tp)
+    assert "--optimizer-impl for-loop" in report.extra["optimizer_runtime"]
+    assert "optimizer_runtime" in report.to_json()
+    for setup_, layout in [
+        (setup, Layout(gpus=2, tp=2, sequence_parallel=True)),
+        (setup, Layout(gpus=4, tp=2, zero=3)),
+        (TrainingSetup(target=Target.CUDA, batch_size=1, seq_len=32, optimizer_impl="for-loop"), tp),
+        (TrainingSetup(target=Target.CPU, batch_size=1, seq_len=32), tp),  # torch steps per parameter on CPU
+        (TrainingSetup(target=Target.CUDA, batch_size=1, seq_len=32, mode="inference"), tp),
+        (setup, Layout(gpus=2, zero=0)),
+    ]:
+        assert foreach_refuses_mixed_parameters(setup_, layout) is None, (setup_, layout)
