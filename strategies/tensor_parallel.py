@@ -68,7 +68,7 @@ from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, Sto
 from tracer.modules import plan_pattern, within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
-from tracer.training import Target, TrainingSetup
+from tracer.training import TORCH_OPTIMIZERS, Target, TrainingSetup
 
 if TYPE_CHECKING:  # annotations only: the command line's help need not import transformers
     from transformers import PretrainedConfig
@@ -340,7 +340,7 @@ def foreach_refuses_mixed_parameters(setup: TrainingSetup, layout: Layout) -> st
     plain, and DTensor's foreach ops refuse the mix ("got mixed torch.Tensor and DTensor"; DTensor is among
     ``torch.optim.optimizer._foreach_supported_types``, so CUDA's default picks foreach). FSDP2 makes every
     parameter a DTensor, and a LoRA step's trainable adapters are of one kind."""
-    default_foreach = setup.optimizer in ("adamw", "adam", "sgd") and setup.optimizer_impl is None
+    default_foreach = setup.optimizer in TORCH_OPTIMIZERS and setup.optimizer_impl is None
     fsdp = layout.engine == "fsdp" and layout.zero >= 2
     if not (setup.mode == "train" and setup.target is Target.CUDA and default_foreach and setup.lora is None):
         return None

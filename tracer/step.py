@@ -27,7 +27,7 @@ from tracer.packed import replace_packed_linears
 from tracer.published import PACKED, check_published, counted_as_published, quant_method
 from tracer.quantization import quantize_base_weights
 from tracer.roles import Phase
-from tracer.training import TrainingSetup
+from tracer.training import TORCH_OPTIMIZERS, TrainingSetup
 
 # Learning rates and betas do not change memory; torch's defaults are used for everything else.
 SGD_MOMENTUM = 0.9
@@ -92,7 +92,7 @@ def build_optimizer(model: nn.Module, setup: TrainingSetup, foreach: bool | None
     optimizers for (None lets torch pick for the tensors' device); ``setup.optimizer_impl`` overrides it."""
     optimizer_class, arguments = optimizer_recipe(setup)
     params = [p for p in model.parameters() if p.requires_grad]
-    if setup.optimizer not in ("adamw", "adam", "sgd"):
+    if setup.optimizer not in TORCH_OPTIMIZERS:
         return optimizer_class(params, **arguments)
     if setup.optimizer_impl == "fused":
         return optimizer_class(params, fused=True, **arguments)

@@ -22,6 +22,7 @@ class Target(str, Enum):
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "adamw8bit")
 OPTIMIZER_IMPLS = ("foreach", "fused", "for-loop")  # torch.optim's implementations of AdamW, Adam and SGD
+TORCH_OPTIMIZERS = ("adamw", "adam", "sgd")  # the optimizers torch.optim implements in those ways
 ATTENTIONS = ("sdpa", "eager")
 # every decoder layer; every decoder layer under torchtitan's per-op policy; the attention of every decoder layer
 CHECKPOINTING = ("full", "op", "selective")
@@ -208,7 +209,7 @@ class TrainingSetup:
         if self.optimizer_impl is not None:
             if self.optimizer_impl not in OPTIMIZER_IMPLS:
                 raise UserError(f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}.")
-            if self.optimizer not in ("adamw", "adam", "sgd"):
+            if self.optimizer not in TORCH_OPTIMIZERS:
                 raise UserError(f"--optimizer-impl applies to torch's adamw, adam and sgd, not {self.optimizer}.")
 
     def _check_inference(self) -> None:
