@@ -56,11 +56,6 @@ class Replayed:
     out_of_memory: list[bool] = field(default_factory=list)  # per recorded oom event: did the model fail too
 
 
-def replayed_and_recorded_reserved_peak(trace: list, recorded_addresses: bool = True) -> tuple[int, int]:
-    replayed = replay_recorded(trace, recorded_addresses)
-    return replayed.ours, replayed.recorded
-
-
 def replay_recorded(trace: list, recorded_addresses: bool = True, capacity: int | None = None) -> Replayed:
     new_segments: list[tuple[int, int]] = []  # segment_alloc events since the last alloc: (address, bytes)
 
@@ -107,8 +102,8 @@ CASES = [path for path in CASES if path not in CAPPED]
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
 @pytest.mark.parametrize("path", CASES, ids=lambda path: path.stem)
 def test_reserved_peak_of_a_recorded_run(path):
-    ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path))
-    assert ours == pytest.approx(recorded, rel=TOLERANCE)
+    replayed = replay_recorded(_recorded(path))
+    assert replayed.ours == pytest.approx(replayed.recorded, rel=TOLERANCE)
 
 
 # Where the model's own, top-down, addresses break a tie between equal-size free blocks otherwise than the
@@ -131,8 +126,8 @@ def _own_addresses_case(path: Path):
 @pytest.mark.parametrize("path", [_own_addresses_case(path) for path in CASES], ids=lambda path: path.stem)
 def test_reserved_peak_with_the_models_own_addresses(path):
     """What an estimate does: the model chooses the segments' addresses (``empty_cache`` is still replayed)."""
-    ours, recorded = replayed_and_recorded_reserved_peak(_recorded(path), recorded_addresses=False)
-    assert ours == pytest.approx(recorded, rel=TOLERANCE)
+    replayed = replay_recorded(_recorded(path), recorded_addresses=False)
+    assert replayed.ours == pytest.approx(replayed.recorded, rel=TOLERANCE)
 
 
 @pytest.mark.skipif(not CAPPED, reason="no trace measured under an allocator capacity yet")
