@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtimes import runtime_peak, tensor_parallel_peak
+from runtimes import fake_process_group, runtime_peak, tensor_parallel_peak, tensor_parallelize
 from tiny_models import EXPERTS_DOMINATE, tiny_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
+from analysis.estimate import analyze
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
-from strategies.tensor_parallel import TensorParallel, megatron_plan, tensor_parallel
+from strategies.tensor_parallel import (
+    TensorParallel,
+    foreach_refuses_mixed_parameters,
+    megatron_plan,
+    tensor_parallel,
+)
 from tracer.errors import UserError
 from tracer.graph import build_graph
 from tracer.modules import model_structure
@@ -271,9 +279,6 @@ def test_a_step_whose_default_optimizer_refuses_plain_norms_beside_dtensors_says
     """Without sequence parallelism the norms stay plain tensors beside DTensors, and torch's default foreach
     AdamW on CUDA refuses the mix (the H100 run of benchmarks/ground_truth/distributed.py failed so): the report
     says so, and names what runs do instead. FSDP2 and sequence parallelism make every parameter a DTensor."""
-    from analysis.estimate import analyze
-    from strategies.tensor_parallel import foreach_refuses_mixed_parameters
-
     setup = TrainingSetup(target=Target.CUDA, batch_size=1, seq_len=32)
     tp = Layout(gpus=2, tp=2)
     report = analyze(tiny_model("llama"), setup, tp)
@@ -288,3 +293,28 @@ def test_a_step_whose_default_optimizer_refuses_plain_norms_beside_dtensors_says
         (setup, Layout(gpus=2, zero=0)),
     ]:
         assert foreach_refuses_mixed_parameters(setup_, layout) is None, (setup_, layout)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain-norms", "sequence-parallel"])
+def test_foreach_adamw_refuses_the_parameters_tensor_parallelism_leaves_plain(sequence_parallel):
+    """The runtime behind the note above: ``parallelize_module`` with the estimate's Megatron plan, and AdamW's
+    foreach step over every parameter. Without sequence parallelism the norms stay plain tensors and DTensor's
+    foreach op refuses them; with it every parameter is a DTensor and the step runs."""
+    model = tiny_model("llama")
+    setup = TrainingSetup(batch_size=1, seq_len=32)
+    with fake_process_group(2, 0):
+        net = model.build(setup)
+        plan = megatron_plan(model_structure(net), 2, 0, False, setup.seq_len if sequence_parallel else None)
+        tensor_parallelize(net, init_device_mesh("cpu", (2,)), plan)
+        for parameter in net.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer = torch.optim.AdamW(net.parameters(), foreach=True)
+        assert all(isinstance(p, DTensor) for p in net.parameters()) == sequence_parallel
+        if sequence_parallel:
+            optimizer.step()
+        else:
+            with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
+                optimizer.step()
+    cuda = TrainingSetup(target=Target.CUDA, batch_size=1, seq_len=32)
+    layout = Layout(gpus=2, tp=2, sequence_parallel=sequence_parallel)
+    assert (foreach_refuses_mixed_parameters(cuda, layout) is not None) != sequence_parallel
