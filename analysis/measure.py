@@ -83,8 +83,7 @@ def measure_step(model: str | Model, setup: TrainingSetup, check_fits: bool = Tr
     if cuda:
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{setup.expandable_segments}")
     torch.manual_seed(0)
-    with device:
-        net = model.build(setup)
+    net = model.load(setup, device)
     batch = model.batch(setup, device)
     if setup.mode == "inference":
         step = Generation(net, setup)

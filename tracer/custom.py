@@ -85,6 +85,11 @@ class CustomModel:
         model._tp_plan = dict(self.tp_plan)  # where transformers keeps a model's plan (tracer/modules.py)
         return apply_variants(model, setup)
 
+    def load(self, setup: TrainingSetup, device: torch.device) -> nn.Module:
+        """The factory's model built on ``device``: its own code decides what it allocates there."""
+        with device:
+            return self.build(setup)
+
     def batch(self, setup: TrainingSetup, device: torch.device | str) -> Any:
         if self.make_batch is not None:
             return self.make_batch(setup.batch_size, setup.seq_len, device)

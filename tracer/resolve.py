@@ -25,7 +25,7 @@ from tracer.config_check import REQUIRED_FIELDS, check_config
 from tracer.custom import CustomModel
 from tracer.errors import UserError
 from tracer.registry import BUNDLED_MODELS, find_bundled
-from tracer.step import Batch, build_model, make_batch
+from tracer.step import Batch, build_model, load_model, make_batch
 from tracer.training import TrainingSetup
 
 HUB_HOST = "huggingface.co"
@@ -47,6 +47,10 @@ class ResolvedModel:
 
     def build(self, setup: TrainingSetup) -> nn.Module:
         return build_model(self.config, setup)
+
+    def load(self, setup: TrainingSetup, device: torch.device) -> nn.Module:
+        """The model on ``device`` as ``from_pretrained`` loads it (tracer/step.py ``load_model``)."""
+        return load_model(self.config, setup, device)
 
     def batch(self, setup: TrainingSetup, device: torch.device | str) -> Batch:
         return make_batch(self.config, setup, device)

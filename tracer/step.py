@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput
 from tracer.checkpointing import enable_checkpointing, unwinding_checkpoints
 from tracer.errors import UserError
 from tracer.lora import apply_lora
+from tracer.materialize import initialize, materialize
 from tracer.optimizers import AdamW8bit
 from tracer.packed import replace_packed_linears
 from tracer.published import PACKED, check_published, counted_as_published, quant_method
@@ -58,6 +59,20 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
     if quant_method(config) in PACKED and counted_as_published(config, setup):
         replace_packed_linears(model, config)
     return apply_variants(model, setup)
+
+
+def load_model(config: PretrainedConfig, setup: TrainingSetup, device: torch.device) -> nn.Module:
+    """:func:`build_model` on ``device`` as ``from_pretrained`` loads a checkpoint there: built on the meta device,
+    then each weight given its storage once and initialized (tracer/materialize.py). Quantized base weights
+    (bitsandbytes quantizes them as they move to the device) and packed checkpoints are built on the device."""
+    if setup.quantize or (quant_method(config) in PACKED and counted_as_published(config, setup)):
+        with device:
+            return build_model(config, setup)
+    with torch.device("meta"):
+        model = build_model(config, setup)
+    materialize(model, device)
+    initialize(model)
+    return model
 
 
 def apply_variants(model: nn.Module, setup: TrainingSetup) -> nn.Module:
