@@ -14,7 +14,6 @@ accumulation, as torchtitan rescales it with ``scale_grads=False``).
 from __future__ import annotations
 
 import dataclasses
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from tracer.baseline import register_baseline
 from tracer.context_parallel import local_length
 from tracer.graph import StepGraph, build_graph
 from tracer.inference import CACHE_KWARG
+from tracer.materialize import initialize, materialize
 from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
@@ -208,26 +208,28 @@ def _parallelize(
     mesh: DeviceMesh,
     replicas: DeviceMesh,
     mixed_precision: bool,
+    device: torch.device,
 ) -> tuple[nn.Module, dict[int, torch.Tensor]]:
-    """torchtitan's order: tensor parallelism on the stage's modules, then its data parallelism (FSDP2 on each
-    decoder layer and the stage, ``reshard_after_forward`` as ``--zero`` asks, bf16 compute and float32 reduction
-    with ``mixed_precision``; DDP; or DDP with
-    ZeroRedundancyOptimizer, whose optimizer the caller builds) over ``replicas``, the data- and context-parallel
-    ranks. Returns the module the stage runs and DDP's bucket buffers."""
+    """torchtitan's order, on a stage built on the meta device: tensor parallelism on the stage's modules, then
+    its data parallelism (FSDP2 on each decoder layer and the stage, ``reshard_after_forward`` as ``--zero``
+    asks, bf16 compute and float32 reduction with ``mixed_precision``; DDP; or DDP with ZeroRedundancyOptimizer,
+    whose optimizer the caller builds) over ``replicas``, the data- and context-parallel ranks, the stage given
+    its storage on ``device`` once sharded (before DDP, which needs it). Returns the module the stage runs and
+    DDP's bucket buffers."""
     if layout.tp > 1:
         plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
         tensor_parallelize(module, mesh["tp"], plan)
-    if layout.replicas == 1:
-        return module, {}
-    if layout.zero >= 2:
+    sharded = layout.replicas > 1 and layout.zero >= 2
+    if sharded:
         reshard = reshard_argument(layout.zero == 3)
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed_precision else MixedPrecisionPolicy()
         for block in structure.blocks:
             fully_shard(module.get_submodule(block), mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(module, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
+    materialize(module, device)
+    if layout.replicas == 1 or sharded:
         return module, {}
-    ddp, buckets = data_parallel(module, replicas.get_group())
-    return ddp, buckets
+    return data_parallel(module, replicas.get_group())
 
 
 def ring_attention(group) -> AbstractContextManager:
@@ -272,7 +274,7 @@ def pipeline_rank(
         sharded_mixed = layout.zero >= 2 and layout.replicas > 1 and setup.mixed_precision is not None
         if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
             setup = dataclasses.replace(setup, mixed_precision=None)
-        with device:
+        with torch.device("meta"):
             causal_lm = model.build(setup)
         causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
         # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
@@ -282,14 +284,12 @@ def pipeline_rank(
         modules = nn.ModuleDict(
             {str(stage): _Stage(causal_lm, split[stage], stage == 0, stage == stage_count - 1) for stage in stages}
         )
-        del causal_lm
-        gc.collect()
         pipelines, stage_buckets = [], []
         shape = (setup.batch_size, setup.seq_len)
         for stage in stages:
             module = modules[str(stage)]
             structure = _stage_structure(model, split[stage], stage == 0, stage == stage_count - 1)
-            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed)
+            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed, device)
             stage_buckets.append(buckets)
             module.autocast = setup.autocast_dtype
             inputs = (
@@ -310,6 +310,8 @@ def pipeline_rank(
                     group=mesh["pp"].get_group(),
                 )
             )
+        initialize(causal_lm)  # its other stages' layers stay on the meta device
+        del causal_lm
         if layout.zero == 1:
             optimizer_class, arguments = optimizer_recipe(setup)
             params = [p for p in modules.parameters() if p.requires_grad]

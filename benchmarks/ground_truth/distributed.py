@@ -1,11 +1,12 @@
 """Rank 0 of a parallel layout, run for real on one device with a fake process group.
 
-Each layout is built as its runtime builds it, with the same choices as the CPU references in
-tests/runtimes.py: DDP (ZeroRedundancyOptimizer for ZeRO-1), FSDP2 ``fully_shard`` on every decoder layer
-and the root (``MixedPrecisionPolicy`` for mixed precision), DTensor tensor parallelism with the Megatron
-plan the estimate assumes and ``loss_parallel()``, and the first rank of a pipeline as
-tests/pipeline_runtime.py builds it (torch.distributed.pipelining). Collectives move no data; memory is allocated
-as on a real rank. Two warm-up steps, then the measured one.
+Each layout is built as torchtitan builds it: on the meta device, parallelized there, then given its storage
+(tracer/materialize.py), so that no unsharded weight passes through the device's cache. Its runtime makes the
+same choices as the CPU references in tests/runtimes.py: DDP (ZeroRedundancyOptimizer for ZeRO-1), FSDP2
+``fully_shard`` on every decoder layer and the root (``MixedPrecisionPolicy`` for mixed precision), DTensor tensor
+parallelism with the Megatron plan the estimate assumes and ``loss_parallel()``, and the first rank of a pipeline
+as tests/pipeline_runtime.py builds it (torch.distributed.pipelining). Collectives move no data; memory is
+allocated as on a real rank. Two warm-up steps, then the measured one.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from strategies.layout import Layout, Rank
 from strategies.tensor_parallel import megatron_plan
+from tracer.materialize import initialize, materialize
 from tracer.modules import decoder_blocks, model_structure
 from tracer.resolve import ResolvedModel
 from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
@@ -50,16 +52,13 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
     with fake_process_group(layout.gpus, 0):
         mesh = init_device_mesh(device.type, (layout.gpus,))
         torch.manual_seed(0)
-        with device:
+        with torch.device("meta"):  # torchtitan's build: parallelize on the meta device, then allocate the shards
             net = build_model(model.config, run_setup)
-        optimizer = build_optimizer(net, run_setup, foreach=None)
         wrapped: nn.Module = net
         context = nullcontext
         if layout.tp > 1:
-            structure = model_structure(net)
-            plan = megatron_plan(structure, layout.tp, 0, False, None)
+            plan = megatron_plan(model_structure(net), layout.tp, 0, False, None)
             tensor_parallelize(net, mesh, plan)
-            optimizer = build_optimizer(net, run_setup, foreach=None)
             context = loss_parallel
         elif fsdp:
             mixed = setup.mixed_precision is not None
@@ -72,8 +71,10 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
             for block in decoder_blocks(net):
                 shard(net.get_submodule(block))
             shard(net)
-            optimizer = build_optimizer(net, run_setup, foreach=None)
-        else:
+        materialize(net, device)
+        initialize(net)
+        optimizer = build_optimizer(net, run_setup, foreach=None)
+        if not (layout.tp > 1 or fsdp):
             wrapped = DistributedDataParallel(net)
             wrapped.register_comm_hook(None, _in_place_all_reduce)
             if layout.zero == 1:

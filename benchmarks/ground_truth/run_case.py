@@ -37,6 +37,9 @@ from tracer.resolve import resolve_model
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 MAX_TRACE_ENTRIES = 2_000_000
+# How the weights came to the device: since 2026-11-27 built on the meta device and materialized as from_pretrained and
+# torchtitan do (tracer/materialize.py); earlier results, without the key, built every weight on the device first.
+BUILD = "meta"
 # The allocator trace, one row per event: [action, address, bytes, stream]. Actions as PyTorch names them.
 TRACE_ACTIONS = ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom")
 
@@ -112,7 +115,12 @@ def run(case: Case, target: Target, shared_device: bool = False) -> dict[str, An
             enabled="all", context=None, stacks="python", max_entries=MAX_TRACE_ENTRIES
         )
     setup = setup_of(case, target)
-    result: dict[str, Any] = {"case": case.to_json(), "environment": environment(), "target": target.value}
+    result: dict[str, Any] = {
+        "case": case.to_json(),
+        "environment": environment(),
+        "target": target.value,
+        "build": BUILD,
+    }
     if cuda and case.allocator_capacity:
         # the allocator's limit is int(fraction * the device's total memory), the total cudaMemGetInfo gives
         total = torch.cuda.mem_get_info()[1]
