@@ -278,9 +278,14 @@ def tensor_parallelize(net: nn.Module, mesh: DeviceMesh, plan: TpPlan) -> None:
     """The estimate's plan applied to ``net``: ``parallelize_module`` with PyTorch's styles (:func:`dtensor_plan`),
     and transformers' own style classes where the plan's style is transformers' alone (:func:`transformers_rules`),
     as ``from_pretrained(tp_plan=...)`` applies them: ``apply_tensor_parallelism`` over the rules expanded to the
-    model's modules and parameters."""
+    model's modules and parameters. A tied output layer takes the embedding's weight again afterwards, as
+    ``from_pretrained`` ties it once the model is sharded: ``parallelize_module`` gives each module its own shard
+    of the one weight (both shard the vocabulary), which would hold it, its gradient and its optimizer states
+    twice."""
     parallelize_module(net, mesh, dtensor_plan(plan, net))
     _apply_transformers_rules(net, mesh, _expanded(transformers_rules(plan), net))
+    if getattr(getattr(net, "config", None), "tie_word_embeddings", False) and net.get_output_embeddings() is not None:
+        net.get_output_embeddings().weight = net.get_input_embeddings().weight
 
 
 def _apply_transformers_rules(net: nn.Module, mesh: DeviceMesh, rules: dict[str, str]) -> None:
@@ -418,8 +423,6 @@ def tensor_parallel_peak(
 
         def parallelize(net: nn.Module) -> None:
             tensor_parallelize(net, mesh["tp"], plan)
-            if structure.output_embedding and getattr(model.config, "tie_word_embeddings", False):
-                net.get_output_embeddings().weight = net.get_input_embeddings().weight
             if data_parallel > 1:
                 reshard = reshard_argument(reshard_after_forward)
                 shard = partial(fully_shard, mesh=mesh["dp"], reshard_after_forward=reshard, mp_policy=policy)
