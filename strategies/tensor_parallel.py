@@ -591,6 +591,8 @@ class _TensorParallel:
             out = _Share(partial=True)
         else:
             out = min(inputs, key=lambda share: share.fraction, default=_REPLICATED).slice()
+            if out.sliced and op.phase is Phase.BACKWARD:
+                self.slice_replicated_operands(op, made, out)
         for storage_id in made:
             self.share[storage_id] = self.size[storage_id] = out
         if op.target == _LOG_SOFTMAX and out.sliced:
@@ -602,6 +604,21 @@ class _TensorParallel:
                 self.pending[storage_id] = (self.partial_scope(op), op)
             elif gather:
                 self.all_gather(op, storage_id)
+
+    def slice_replicated_operands(self, op, made: list[int], out: _Share) -> None:
+        """A backward op that combines a sliced gradient with a replicated one of the same shape (a tied embedding's
+        gradient sum: the output layer's slice and the embedding's gradient, which DTensor does not split)
+        redistributes the replicated one to the slice first (``Replicate -> Shard(0)``), a contiguous copy held
+        until the op."""
+        shape = self.step.storages[made[0]].shape
+        for storage_id in op.inputs:
+            row = self.step.storages[storage_id]
+            share = self.input_share(op, storage_id)
+            if share.sliced or share.partial or row.role is Role.PARAMETER or row.shape != shape:
+                continue
+            nbytes = self._bytes(row, out)
+            point = self.rw.before(op.index, "tp.redistribute", op.module, op.phase)
+            self.rw.add(nbytes, Role.TEMPORARY, point, self._at(op.index), f"{row.name} slice", row.dtype)
 
     def split_inputs_entering(self, op) -> None:
         """``rowwise_split_input``: the rank's slice of the whole input, copied out as it enters the module

@@ -155,6 +155,14 @@ def test_tensor_parallel_setups(shape):
     _check("llama", 2, shape=shape)
 
 
+def test_the_sum_of_a_tied_embeddings_gradients():
+    """The tied output layer's gradient, a slice of the vocabulary, is added to the embedding's, which DTensor does
+    not split: the runtime redistributes that to the slice first, a copy live at the sum, where the peak falls with
+    a large vocabulary (Llama-3.2-1B's rank on an H200, one 503 MiB slice)."""
+    shape = {"batch_size": 1, "seq_len": 4, "mixed_precision": "bf16"}
+    _check("llama", 2, shape=shape, peak_in="embed_tokens", tie_word_embeddings=True, vocab_size=4096)
+
+
 def test_grouped_query_attention():
     _check("qwen2", 4, num_key_value_heads=4)
 
