@@ -1,9 +1,10 @@
 """The reference measurement: run the same step with real tensors and watch what it allocates.
 
-On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of the second (steady
-state) step. On CPU it counts every storage from its allocation to the moment its last reference dies, as
+On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of a steady-state step run
+as users run it, after the recorded one (a recording's dispatch mode changes how autograd sums gradients). On
+CPU it counts every storage from its allocation to the moment its last reference dies, as
 ``torch.distributed._tools.mem_tracker`` does, with each allocation rounded as the CUDA caching allocator
-rounds it, and reports the largest total seen at any moment.
+rounds it, and reports the largest total seen at any moment: the recorded step's.
 """
 
 from __future__ import annotations
@@ -170,10 +171,6 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     recorder = StepRecorder(ModuleScope(net), device_type=device.type, listener=meter)
     register_baseline(recorder, step, batch, step_counters_on_host=False)
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()  # which leaves num_alloc_retries counting since the process began
-        retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     with recorder.recording():
         if setup.mode == "inference":
             step.run(batch, recorder.enter, recorder=recorder)
@@ -191,15 +188,31 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     report = build_report(model.model_id, setup, trace, step_graph, line, find_peak(line), kind="measurement")
     report.extra["tracked_peak_bytes"] = meter.peak
     if cuda:
-        torch.cuda.synchronize()
-        report.peak_bytes = torch.cuda.max_memory_allocated()
+        peaks = _plain_step_peaks(setup, step, batch)
+        if peaks is None:
+            return None
+        report.peak_bytes, report.reserved_bytes, report.allocator_retries = peaks
         free, total = torch.cuda.mem_get_info()
-        report.reserved_bytes = torch.cuda.max_memory_reserved()
         report.device_total_bytes = total - free  # the whole device: other processes count too
-        report.allocator_retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
     else:
         report.peak_bytes = meter.peak
     return StepResult(report, step_graph, line)
+
+
+def _plain_step_peaks(setup: TrainingSetup, step: TrainingStep, batch) -> tuple[int, int, int] | None:
+    """``max_memory_allocated``, ``max_memory_reserved`` and the allocator's retries over one more step, run as users
+    run it: without the recorder, whose dispatch mode makes autograd sum a tensor's gradients out of place where a
+    plain run sums them in place (tests/test_gradient_sums.py). None if the GradScaler skipped its optimizer step."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()  # which leaves num_alloc_retries counting since the process began
+    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    if setup.mode == "inference":
+        step.run(batch)
+    elif not _stepped(lambda: step.run(batch, micro_steps=setup.grad_accum), step.scaler):
+        return None
+    torch.cuda.synchronize()
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before
+    return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), retries
 
 
 def _refuse_if_too_large(model: Model, setup: TrainingSetup) -> None:
