@@ -46,7 +46,7 @@ from tracer.modules import ModuleScope, model_structure
 from tracer.recorder import StepRecorder
 from tracer.resolve import ResolvedModel
 from tracer.roles import Phase, Role
-from tracer.step import Batch, TrainingStep, build_optimizer, make_token_batch, optimizer_recipe
+from tracer.step import Batch, TrainingStep, build_optimizer, builds_on_meta, make_token_batch, optimizer_recipe
 from tracer.trace import ModelStructure
 from tracer.training import TrainingSetup
 
@@ -208,13 +208,14 @@ def _parallelize(
     mesh: DeviceMesh,
     replicas: DeviceMesh,
     mixed_precision: bool,
-    device: torch.device,
+    materialize_on: torch.device | None,
 ) -> tuple[nn.Module, dict[int, torch.Tensor]]:
-    """torchtitan's order, on a stage built on the meta device: tensor parallelism on the stage's modules, then
+    """torchtitan's order, on a stage built on the meta device (or, with quantized base weights, on the device):
+    tensor parallelism on the stage's modules, then
     its data parallelism (FSDP2 on each decoder layer and the stage, ``reshard_after_forward`` as ``--zero``
     asks, bf16 compute and float32 reduction with ``mixed_precision``; DDP; or DDP with ZeroRedundancyOptimizer,
-    whose optimizer the caller builds) over ``replicas``, the data- and context-parallel ranks, the stage given
-    its storage on ``device`` once sharded (before DDP, which needs it). Returns the module the stage runs and
+    whose optimizer the caller builds) over ``replicas``, the data- and context-parallel ranks, a meta stage given
+    its storage on ``materialize_on`` once sharded (before DDP, which needs it). Returns the module the stage runs and
     DDP's bucket buffers."""
     if layout.tp > 1:
         plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
@@ -226,7 +227,8 @@ def _parallelize(
         for block in structure.blocks:
             fully_shard(module.get_submodule(block), mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(module, mesh=replicas, reshard_after_forward=reshard, mp_policy=policy)
-    materialize(module, device)
+    if materialize_on is not None:
+        materialize(module, materialize_on)
     if layout.replicas == 1 or sharded:
         return module, {}
     return data_parallel(module, replicas.get_group())
@@ -274,7 +276,8 @@ def pipeline_rank(
         sharded_mixed = layout.zero >= 2 and layout.replicas > 1 and setup.mixed_precision is not None
         if sharded_mixed:  # FSDP2's MixedPrecisionPolicy over float32 weights, not autocast
             setup = dataclasses.replace(setup, mixed_precision=None)
-        with torch.device("meta"):
+        on_meta = builds_on_meta(config, setup)
+        with torch.device("meta") if on_meta else device:
             causal_lm = model.build(setup)
         causal_lm = causal_lm.get_base_model() if hasattr(causal_lm, "get_base_model") else causal_lm
         # What passes between stages: the weights' dtype, or the low-precision one FSDP2's policy computes in.
@@ -289,7 +292,8 @@ def pipeline_rank(
         for stage in stages:
             module = modules[str(stage)]
             structure = _stage_structure(model, split[stage], stage == 0, stage == stage_count - 1)
-            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed, device)
+            storage = device if on_meta else None
+            wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed, storage)
             stage_buckets.append(buckets)
             module.autocast = setup.autocast_dtype
             inputs = (
@@ -310,7 +314,8 @@ def pipeline_rank(
                     group=mesh["pp"].get_group(),
                 )
             )
-        initialize(causal_lm)  # its other stages' layers stay on the meta device
+        if on_meta:
+            initialize(causal_lm)  # its other stages' layers stay on the meta device
         del causal_lm
         if layout.zero == 1:
             optimizer_class, arguments = optimizer_recipe(setup)

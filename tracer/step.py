@@ -61,11 +61,17 @@ def build_model(config: PretrainedConfig, setup: TrainingSetup) -> nn.Module:
     return apply_variants(model, setup)
 
 
+def builds_on_meta(config: PretrainedConfig, setup: TrainingSetup) -> bool:
+    """Whether the model can be built on the meta device and materialized (tracer/materialize.py): not with quantized
+    base weights, which bitsandbytes quantizes as they move to the device, nor a packed checkpoint's layers."""
+    return not setup.quantize and not (quant_method(config) in PACKED and counted_as_published(config, setup))
+
+
 def load_model(config: PretrainedConfig, setup: TrainingSetup, device: torch.device) -> nn.Module:
     """:func:`build_model` on ``device`` as ``from_pretrained`` loads a checkpoint there: built on the meta device,
     then each weight given its storage once and initialized (tracer/materialize.py). Quantized base weights
     (bitsandbytes quantizes them as they move to the device) and packed checkpoints are built on the device."""
-    if setup.quantize or (quant_method(config) in PACKED and counted_as_published(config, setup)):
+    if not builds_on_meta(config, setup):
         with device:
             return build_model(config, setup)
     with torch.device("meta"):
