@@ -12,12 +12,12 @@ runs the step plainly, and its peak falls at the sum of the tied embedding's gra
 from __future__ import annotations
 
 import torch
+from tiny_models import tiny_model
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-VOCAB, HIDDEN = 8192, 32
-EMBEDDING_BYTES = VOCAB * HIDDEN * 4
+VOCAB = 8192
 
 
 class _PassThrough(TorchDispatchMode):
@@ -27,15 +27,7 @@ class _PassThrough(TorchDispatchMode):
 
 def _embedding_sized_allocations(under_a_mode: bool) -> int:
     """The float32 embedding-sized blocks the backward of a tied tiny Llama allocates, under bf16 autocast."""
-    config = LlamaConfig(
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        tie_word_embeddings=True,
-    )
+    config = tiny_model("llama", vocab_size=VOCAB, tie_word_embeddings=True).config
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     ids = torch.randint(0, VOCAB, (1, 8))
@@ -48,7 +40,7 @@ def _embedding_sized_allocations(under_a_mode: bool) -> int:
         else:
             loss.backward()
     sizes = [event.nbytes() for event in profiler.profiler.kineto_results.events() if event.name() == "[memory]"]
-    return sum(size == EMBEDDING_BYTES for size in sizes)
+    return sum(size == VOCAB * config.hidden_size * 4 for size in sizes)
 
 
 def test_a_plain_run_sums_a_tied_weights_gradients_in_place():
