@@ -67,17 +67,25 @@ def builds_on_meta(config: PretrainedConfig, setup: TrainingSetup) -> bool:
     return not setup.quantize and not (quant_method(config) in PACKED and counted_as_published(config, setup))
 
 
-def load_model(config: PretrainedConfig, setup: TrainingSetup, device: torch.device) -> nn.Module:
+def load_model(
+    config: PretrainedConfig,
+    setup: TrainingSetup,
+    device: torch.device,
+    parallelize: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """:func:`build_model` on ``device`` as ``from_pretrained`` loads a checkpoint there: built on the meta device,
-    then each weight given its storage once and initialized (tracer/materialize.py). Quantized base weights
-    (bitsandbytes quantizes them as they move to the device) and packed checkpoints are built on the device."""
-    if not builds_on_meta(config, setup):
-        with device:
-            return build_model(config, setup)
-    with torch.device("meta"):
+    then each weight given its storage once and initialized (tracer/materialize.py). ``parallelize`` (tensor
+    parallelism, FSDP2's sharding) runs before the weights get their storage, as torchtitan runs it, so that each
+    rank allocates its shards alone. Quantized base weights (bitsandbytes quantizes them as they move to the device)
+    and packed checkpoints are built on the device, and parallelized there."""
+    on_meta = builds_on_meta(config, setup)
+    with torch.device("meta") if on_meta else device:
         model = build_model(config, setup)
-    materialize(model, device)
-    initialize(model)
+    if parallelize is not None:
+        parallelize(model)
+    if on_meta:
+        materialize(model, device)
+        initialize(model)
     return model
 
 

@@ -28,10 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from strategies.layout import Layout, Rank
 from strategies.tensor_parallel import megatron_plan
-from tracer.materialize import initialize, materialize
 from tracer.modules import decoder_blocks, model_structure
 from tracer.resolve import ResolvedModel
-from tracer.step import TrainingStep, build_model, build_optimizer, make_batch, optimizer_recipe
+from tracer.step import TrainingStep, build_optimizer, load_model, make_batch, optimizer_recipe
 from tracer.training import Target, TrainingSetup
 
 
@@ -52,27 +51,25 @@ def measure_rank0(model: ResolvedModel, setup: TrainingSetup, layout_flags: dict
     with fake_process_group(layout.gpus, 0):
         mesh = init_device_mesh(device.type, (layout.gpus,))
         torch.manual_seed(0)
-        with torch.device("meta"):  # torchtitan's build: parallelize on the meta device, then allocate the shards
-            net = build_model(model.config, run_setup)
+        context = loss_parallel if layout.tp > 1 else nullcontext
+
+        def parallelize(net: nn.Module) -> None:
+            if layout.tp > 1:
+                tensor_parallelize(net, mesh, megatron_plan(model_structure(net), layout.tp, 0, False, None))
+            elif fsdp:
+                mixed = setup.mixed_precision is not None
+                shard = partial(
+                    fully_shard,
+                    mesh=mesh,
+                    mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy(),
+                    reshard_after_forward=None if layout.zero == 3 else False,  # None: FSDP2's default, root stays
+                )
+                for block in decoder_blocks(net):
+                    shard(net.get_submodule(block))
+                shard(net)
+
+        net = load_model(model.config, run_setup, device, parallelize)  # torchtitan's build: sharded on meta
         wrapped: nn.Module = net
-        context = nullcontext
-        if layout.tp > 1:
-            plan = megatron_plan(model_structure(net), layout.tp, 0, False, None)
-            tensor_parallelize(net, mesh, plan)
-            context = loss_parallel
-        elif fsdp:
-            mixed = setup.mixed_precision is not None
-            shard = partial(
-                fully_shard,
-                mesh=mesh,
-                mp_policy=MixedPrecisionPolicy(torch.bfloat16, torch.float32) if mixed else MixedPrecisionPolicy(),
-                reshard_after_forward=None if layout.zero == 3 else False,  # None: FSDP2's default, the root stays
-            )
-            for block in decoder_blocks(net):
-                shard(net.get_submodule(block))
-            shard(net)
-        materialize(net, device)
-        initialize(net)
         optimizer = build_optimizer(net, run_setup, foreach=None)
         if not (layout.tp > 1 or fsdp):
             wrapped = DistributedDataParallel(net)
