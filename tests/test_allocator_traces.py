@@ -37,6 +37,7 @@ from pathlib import Path
 import pytest
 
 from analysis.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
+from benchmarks.ground_truth.cases import result_key
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "data"
 TOLERANCE = 0.005
@@ -120,48 +121,39 @@ DRIVER_ADDRESSES_APART = {"nvidia-h200/gemma-2-2b__b4-s512__generate-static"}
 CAPPED_OWN_ADDRESSES_APART = {"nvidia-h200/pythia-410m__b2-s2048__amp-bf16-ckpt__capacity-8.5g"}
 
 
-def case_id(path: Path) -> str:
-    """The device and the case: the same case measured on two GPUs is two cases."""
-    return f"{path.parent.name}/{path.name.removesuffix('.trace.json.gz')}"
-
-
-def _marked(path: Path, apart: set[str], reason: str):
-    if case_id(path) not in apart:
-        return path
-    return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason))
+def _xfails(path: Path, apart: set[str], reason: str) -> list:
+    return [pytest.mark.xfail(strict=True, reason=reason)] if result_key(path) in apart else []
 
 
 def _driver_addresses_case(path: Path):
-    return _marked(path, DRIVER_ADDRESSES_APART, "replayed with the driver's addresses and apart: not explained")
+    reason = "replayed with the driver's addresses and apart: not explained"
+    return pytest.param(path, marks=_xfails(path, DRIVER_ADDRESSES_APART, reason))
 
 
 def _own_addresses_case(path: Path):
-    if case_id(path) in DRIVER_PUT_SEGMENTS_UPWARD:
-        return _marked(path, DRIVER_PUT_SEGMENTS_UPWARD, "cudaMalloc placed these segments upward (see above)")
-    return _marked(path, OWN_ADDRESSES_APART, "the model's own addresses end elsewhere: not yet examined")
+    marks = _xfails(path, DRIVER_PUT_SEGMENTS_UPWARD, "cudaMalloc placed these segments upward (see above)")
+    marks += _xfails(path, OWN_ADDRESSES_APART, "the model's own addresses end elsewhere: not yet examined")
+    return pytest.param(path, marks=marks)
 
 
 def _capped_cases() -> list:
-    cases = []
-    for path in CAPPED:
-        for recorded_addresses in (True, False):
-            name = f"{case_id(path)}-{'driver' if recorded_addresses else 'own'}-addresses"
-            apart = not recorded_addresses and case_id(path) in CAPPED_OWN_ADDRESSES_APART
-            reason = "the model's own addresses end elsewhere: not yet examined"
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if apart else []
-            cases.append(pytest.param(path, recorded_addresses, id=name, marks=marks))
-    return cases
+    reason = "the model's own addresses end elsewhere: not yet examined"
+    return [
+        pytest.param(path, recorded, id=f"{result_key(path)}-{'driver' if recorded else 'own'}-addresses", marks=marks)
+        for path in CAPPED
+        for recorded, marks in ((True, []), (False, _xfails(path, CAPPED_OWN_ADDRESSES_APART, reason)))
+    ]
 
 
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
-@pytest.mark.parametrize("path", [_driver_addresses_case(path) for path in CASES], ids=case_id)
+@pytest.mark.parametrize("path", [_driver_addresses_case(path) for path in CASES], ids=result_key)
 def test_reserved_peak_of_a_recorded_run(path):
     replayed = replay_recorded(_recorded(path))
     assert replayed.ours == pytest.approx(replayed.recorded, rel=TOLERANCE)
 
 
 @pytest.mark.skipif(not CASES, reason="no allocator trace from a GPU yet: run benchmarks.ground_truth.collect on one")
-@pytest.mark.parametrize("path", [_own_addresses_case(path) for path in CASES], ids=case_id)
+@pytest.mark.parametrize("path", [_own_addresses_case(path) for path in CASES], ids=result_key)
 def test_reserved_peak_with_the_models_own_addresses(path):
     """What an estimate does: the model chooses the segments' addresses (``empty_cache`` is still replayed)."""
     replayed = replay_recorded(_recorded(path), recorded_addresses=False)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.accuracy import compare
+from benchmarks.ground_truth.cases import result_key
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "ground_truth" / "data"
 CASES = sorted(path for path in DATA.glob("*/*__capacity-*.json") if not path.name.endswith(".trace.json.gz"))
@@ -31,13 +32,8 @@ HARNESS_BUILD_TEMPORARY = {"nvidia-h100-80gb-hbm3/qwen2.5-0.5b__b4-s512__amp-bf1
 RAN_OUT_WHERE_THE_ESTIMATE_FITS = {"nvidia-h200/qwen2.5-0.5b__b4-s512__amp-bf16-ckpt__capacity-11g"}
 
 
-def case_id(path: Path) -> str:
-    """The device and the case: the same case measured on two GPUs is two cases."""
-    return f"{path.parent.name}/{path.stem}"
-
-
 def _outcome_case(path: Path):
-    if case_id(path) not in RAN_OUT_WHERE_THE_ESTIMATE_FITS:
+    if result_key(path) not in RAN_OUT_WHERE_THE_ESTIMATE_FITS:
         return path
     reason = "the run ran out of memory where the estimate fits after two releases (see above)"
     return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason))
@@ -49,14 +45,14 @@ def _compared(path: Path) -> dict:
 
 
 @pytest.mark.skipif(not CASES, reason="no step measured under an allocator capacity yet")
-@pytest.mark.parametrize("path", [_outcome_case(path) for path in CASES], ids=case_id)
+@pytest.mark.parametrize("path", [_outcome_case(path) for path in CASES], ids=result_key)
 def test_the_estimate_fits_where_the_run_fitted_and_runs_out_where_it_ran_out(path):
     row = _compared(path)
     assert row["ours_fits"] == (row["measured"] is not None)
 
 
 def _retries_case(path: Path):
-    if case_id(path) not in HARNESS_BUILD_TEMPORARY:
+    if result_key(path) not in HARNESS_BUILD_TEMPORARY:
         return path
     reason = "the harness's build caches a freed output layer the estimate never allocates (see above)"
     return pytest.param(path, marks=pytest.mark.xfail(strict=True, reason=reason))
@@ -66,7 +62,7 @@ FITTED = [path for path in CASES if "out_of_memory" not in json.loads(path.read_
 
 
 @pytest.mark.skipif(not FITTED, reason="no step measured under an allocator capacity yet")
-@pytest.mark.parametrize("path", [_retries_case(path) for path in FITTED], ids=case_id)
+@pytest.mark.parametrize("path", [_retries_case(path) for path in FITTED], ids=result_key)
 def test_the_measured_step_releases_the_cache_as_often_as_the_run(path):
     row = _compared(path)
     assert row["ours_retries"] == row["measured_retries"]

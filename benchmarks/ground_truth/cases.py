@@ -9,6 +9,7 @@ allocator releases its cached segments and retries (or runs out of memory), as `
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tracer.units import GIB
@@ -80,6 +81,12 @@ class Case:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def result_key(path: Path) -> str:
+    """A result's or its trace's device and case, ``nvidia-h200/gpt2__b1-s512__amp-bf16``: the same case measured on
+    two GPUs is two results."""
+    return f"{path.parent.name}/{path.name.removesuffix('.trace.json.gz').removesuffix('.json')}"
 
 
 def _name(model: str, batch: int, seq: int, setup: str, layout: str = "") -> str:
