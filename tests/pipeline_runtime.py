@@ -211,12 +211,11 @@ def _parallelize(
     materialize_on: torch.device | None,
 ) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     """torchtitan's order, on a stage built on the meta device (or, with quantized base weights, on the device):
-    tensor parallelism on the stage's modules, then
-    its data parallelism (FSDP2 on each decoder layer and the stage, ``reshard_after_forward`` as ``--zero``
-    asks, bf16 compute and float32 reduction with ``mixed_precision``; DDP; or DDP with ZeroRedundancyOptimizer,
-    whose optimizer the caller builds) over ``replicas``, the data- and context-parallel ranks, a meta stage given
-    its storage on ``materialize_on`` once sharded (before DDP, which needs it). Returns the module the stage runs and
-    DDP's bucket buffers."""
+    tensor parallelism on the stage's modules, then its data parallelism (FSDP2 on each decoder layer and the
+    stage, ``reshard_after_forward`` as ``--zero`` asks, bf16 compute and float32 reduction with
+    ``mixed_precision``; DDP; or DDP with ZeroRedundancyOptimizer, whose optimizer the caller builds) over
+    ``replicas``, the data- and context-parallel ranks. A meta stage gets its storage on ``materialize_on`` once
+    sharded (before DDP, which needs it). Returns the module the stage runs and DDP's bucket buffers."""
     if layout.tp > 1:
         plan = megatron_plan(structure, layout.tp, rank.tp, gathered_output=layout.tp_output == "gathered")
         tensor_parallelize(module, mesh["tp"], plan)
@@ -289,10 +288,10 @@ def pipeline_rank(
         )
         pipelines, stage_buckets = [], []
         shape = (setup.batch_size, setup.seq_len)
+        storage = device if on_meta else None
         for stage in stages:
             module = modules[str(stage)]
             structure = _stage_structure(model, split[stage], stage == 0, stage == stage_count - 1)
-            storage = device if on_meta else None
             wrapped, buckets = _parallelize(module, structure, layout, rank, mesh, replicas, sharded_mixed, storage)
             stage_buckets.append(buckets)
             module.autocast = setup.autocast_dtype

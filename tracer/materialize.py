@@ -40,7 +40,8 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 def initialize(model: nn.Module) -> None:
     """Fill a materialized transformers model (a peft model's base included) as ``from_pretrained`` fills the
     weights a checkpoint lacks: its own initialization, rotary embeddings' buffers included. The values change no
-    allocation; they keep the step's numbers finite, and a mixture of experts' routing as a trained model's is."""
+    allocation of a dense model; they keep the step's numbers finite, and a mixture of experts' routing that of a
+    model built with initialized weights rather than of uninitialized memory."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     with torch.no_grad():
         base.initialize_weights()
