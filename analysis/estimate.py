@@ -24,6 +24,7 @@ from analysis.report import MemoryReport, build_report
 from strategies.layout import Layout, PreparedLayout, Rank, prepare
 from strategies.tensor_parallel import foreach_refuses_mixed_parameters
 from tracer.gpus import find_gpu
+from tracer.gradient_sums import as_run
 from tracer.graph import StepGraph, build_graph
 from tracer.resolve import Model, as_model
 from tracer.trace import Trace
@@ -123,7 +124,7 @@ class StepSource:
 
     def traced_step(self, batch: int) -> StepGraph:
         if batch not in self._steps:
-            self._steps[batch] = build_graph(self.trace(batch))
+            self._steps[batch] = build_graph(as_run(self.trace(batch), self.setup))
         return self._steps[batch]
 
     def step(self, batch: int) -> StepGraph:

@@ -4,7 +4,10 @@ On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved
 as users run it, after the recorded one (a recording's dispatch mode changes how autograd sums gradients). On
 CPU it counts every storage from its allocation to the moment its last reference dies, as
 ``torch.distributed._tools.mem_tracker`` does, with each allocation rounded as the CUDA caching allocator
-rounds it, and reports the largest total seen at any moment: the recorded step's.
+rounds it, and reports the largest total at any op of the recorded step, with the gradient sums a run without the
+recorder makes in place made so (tracer/gradient_sums.py; tests/test_gradient_sums.py checks each against the
+run without it). CPU kernels' own scratch buffers, which never leave the op, are not counted: they are not the
+GPU's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from analysis.peak import find_peak, timeline
 from analysis.report import MemoryReport, build_report
 from tracer.baseline import register_baseline
 from tracer.errors import UserError
+from tracer.gradient_sums import as_run
 from tracer.graph import build_graph
 from tracer.inference import generation_config
 from tracer.modules import ModuleScope, count_parameters, model_structure
@@ -183,7 +187,7 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     trace.parameter_count, trace.trainable_parameter_count = count_parameters(net)
     trace.structure = model_structure(net)
     trace.assumptions = {"model_source": model.source, "torch": torch.__version__, "device": _device_name(device)}
-    step_graph = build_graph(trace)
+    step_graph = build_graph(as_run(trace, setup))
     line = timeline(step_graph)
     report = build_report(model.model_id, setup, trace, step_graph, line, find_peak(line), kind="measurement")
     report.extra["tracked_peak_bytes"] = meter.peak
@@ -194,8 +198,6 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
         report.peak_bytes, report.reserved_bytes, report.allocator_retries = peaks
         free, total = torch.cuda.mem_get_info()
         report.device_total_bytes = total - free  # the whole device: other processes count too
-    else:
-        report.peak_bytes = meter.peak
     return StepResult(report, step_graph, line)
 
 

@@ -64,7 +64,7 @@ from strategies.collectives import recorded
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
-from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow
+from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow, replaced
 from tracer.modules import plan_pattern, within
 from tracer.roles import Phase, Role
 from tracer.trace import ModelStructure, Op
@@ -455,7 +455,18 @@ def tensor_parallel(step: StepGraph, plan: TpPlan) -> StepGraph:
     """The step of tensor-parallel rank ``plan.rank`` of ``plan.degree``."""
     if plan.degree < 2:
         raise ValueError("tensor parallelism needs at least 2 ranks")
-    return _TensorParallel(step, plan).build()
+    return _TensorParallel(out_of_place_sums(step), plan).build()
+
+
+def out_of_place_sums(step: StepGraph) -> StepGraph:
+    """The step with every gradient sum out of place again, as DTensor runs them (a tensor subclass): each gradient
+    an in-place sum took over (tracer/gradient_sums.py) lives through the sum that reads it."""
+    restored = {}
+    for op in step.ops:
+        if op.sums_gradients and step.storages[op.inputs[0]].freed_after == op.index - 1:
+            row = step.storages[op.inputs[0]]
+            restored[row.id] = replaced(row, freed_after=op.index)
+    return dataclasses.replace(step, storages=step.storages | restored) if restored else step
 
 
 class _TensorParallel:

@@ -5,17 +5,31 @@ buffer (``InputBuffer::accumulate``): in place into one of them when it holds th
 "tensor-subclass-like", out of place otherwise. ``at::isTensorSubclassLike`` is true for every tensor while a
 ``TorchDispatchMode`` is active, and for FakeTensors: so the estimate's trace (FakeTensorMode) and every
 measurement under a recording mode (``analysis.measure``'s recorder) add out of place, one gradient-sized block
-more than a plain run holds at that moment. On an H200 this is Llama-3.2-1B's ZeRO-1 rank, +4.62%: its harness
-runs the step plainly, and its peak falls at the sum of the tied embedding's gradients (docs/limits.md).
+more than a plain run holds at that moment. On an H200 this was Llama-3.2-1B's ZeRO-1 rank, +4.62%: its harness
+runs the step plainly, and its peak falls at the sum of the tied embedding's gradients.
+
+tracer/gradient_sums.py makes the trace's sums in place where the plain run makes them so; the check is the plain
+run itself, profiled: the sums its autograd engine makes in place, family by family.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
+import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import FAMILIES, tiny_model
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
+
+from strategies.tensor_parallel import TensorParallel
+from tracer.gradient_sums import in_place
+from tracer.graph import build_graph
+from tracer.resolve import ResolvedModel
+from tracer.step import TrainingStep, build_optimizer
+from tracer.tracing import trace_step
+from tracer.training import LoraSetup, Target, TrainingSetup
 
 VOCAB = 8192
 
@@ -50,3 +64,80 @@ def test_a_plain_run_sums_a_tied_weights_gradients_in_place():
 
 def test_under_a_dispatch_mode_the_sum_is_a_new_tensor():
     assert _embedding_sized_allocations(under_a_mode=True) == 3
+
+
+def _sums_in_place_by_a_plain_run(model: ResolvedModel, setup: TrainingSetup) -> list[tuple[int, ...]]:
+    """The shapes of the gradients the autograd engine sums in place in a training step run without a dispatch mode,
+    in the order it sums them: the ``aten::add_`` the engine itself calls (``InputBuffer::accumulate``), outside any
+    node's backward."""
+    torch.manual_seed(0)
+    net = model.load(setup, torch.device("cpu"))
+    autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
+    step = TrainingStep(net, build_optimizer(net, setup, foreach=None), **({"autocast": autocast} if autocast else {}))
+    batch = model.batch(setup, "cpu")
+    step.run(batch)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+        step.run(batch)
+    return [
+        tuple(event.input_shapes[0])
+        for event in profiler.events()
+        if event.name == "aten::add_"
+        and event.cpu_parent is not None
+        and event.cpu_parent.name.startswith("autograd::engine::evaluate_function")
+    ]
+
+
+def _sums_in_place_by_the_trace(model: ResolvedModel, setup: TrainingSetup) -> list[tuple[int, ...]]:
+    recorded = trace_step(model, setup)
+    made_in_place = in_place(recorded)
+    return [
+        recorded.storages[op.inputs[0]].shape
+        for op in recorded.ops
+        if op.sums_gradients and made_in_place.storages[op.inputs[0]].freed_after == op.index - 1
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_trace_sums_in_place_what_a_plain_run_does(family):
+    """Mixed bf16, where a weight's bf16 copy makes its float32 gradient a new tensor the engine can reuse; the
+    embedding is tied, so its two gradients are summed."""
+    model = tiny_model(family, tie_word_embeddings=True)
+    setup = TrainingSetup(batch_size=2, seq_len=16, target=Target.CPU, mixed_precision="bf16")
+    plain = _sums_in_place_by_a_plain_run(model, setup)
+    assert plain, "the plain run sums nothing in place: the check checks nothing"
+    assert _sums_in_place_by_the_trace(model, setup) == plain
+
+
+def test_the_trace_sums_in_place_what_a_plain_run_does_in_float32():
+    """In float32 the output layer's gradient is a transposed view of its matmul's: the tied sum stays out of place."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    setup = TrainingSetup(batch_size=2, seq_len=16, target=Target.CPU)
+    assert _sums_in_place_by_the_trace(model, setup) == _sums_in_place_by_a_plain_run(model, setup)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [dict(grad_checkpointing="full"), dict(grad_checkpointing="full", reentrant=True), dict(lora=LoraSetup())],
+    ids=["checkpointing", "reentrant-checkpointing", "lora"],
+)
+def test_the_trace_sums_in_place_what_a_plain_run_does_with_checkpointing_or_adapters(variant):
+    """Recomputed forwards (their backward's sums, and the reentrant variant's backward inside the outer one), and
+    LoRA's adapters beside frozen weights."""
+    model = tiny_model("llama", tie_word_embeddings=True)
+    setup = TrainingSetup(batch_size=2, seq_len=16, target=Target.CPU, mixed_precision="bf16", **variant)
+    plain = _sums_in_place_by_a_plain_run(model, setup)
+    assert plain
+    assert _sums_in_place_by_the_trace(model, setup) == plain
+
+
+def test_a_tensor_parallel_rank_sums_out_of_place():
+    """DTensor is a tensor subclass, so a tensor-parallel rank's sums stay out of place: its step is the same from
+    the trace with its sums in place as from the trace as recorded (the tied embedding's sum among them)."""
+    model = tiny_model("llama", tie_word_embeddings=True, vocab_size=4096)
+    setup = TrainingSetup(batch_size=1, seq_len=4, target=Target.CPU, mixed_precision="bf16")
+    recorded = trace_step(model, setup)
+    assert in_place(recorded) is not recorded
+    tensor = TensorParallel(2)
+    from_recorded = tensor.apply(build_graph(recorded), setup, rank=0)
+    from_in_place = tensor.apply(build_graph(in_place(recorded)), setup, rank=0)
+    assert (from_in_place.ops, from_in_place.storages) == (from_recorded.ops, from_recorded.storages)

@@ -22,6 +22,7 @@ from analysis.sweep import run_sweep
 from strategies.layout import Layout, Rank, prepare
 from tracer import tracing
 from tracer.gpus import CUDA_CONTEXT_BYTES, find_gpu
+from tracer.gradient_sums import as_run
 from tracer.graph import build_graph
 from tracer.tracing import trace_step
 from tracer.training import TrainingSetup
@@ -39,7 +40,8 @@ def _beyond_context(nbytes: int) -> int:
 
 
 def _step(model, setup: TrainingSetup, batch: int):
-    return build_graph(trace_step(model, dataclasses.replace(setup, batch_size=batch)))
+    setup = dataclasses.replace(setup, batch_size=batch)
+    return build_graph(as_run(trace_step(model, setup), setup))
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])

@@ -74,6 +74,11 @@ class StepRecorder(TorchDispatchMode):
         self._gradients: dict[int, str] = {}  # storage id of each existing .grad -> its parameter, in backward
         self._paused = False
         self.traffic: dict[int, dict[int, int]] = {}  # optimizer op index -> storage id -> bytes moved
+        # The autograd node whose backward runs now (its sequence number), the op it began at, and what its ops read
+        self._node: int | None = None
+        self._node_start = 0
+        self._read_in_node: set[int] = set()
+        self._summed_in_node: set[int] = set()  # what the engine's sums under it made
 
     def track_existing(
         self, tensor: torch.Tensor, role: Role, name: str, param: str | None = None, on_device: bool = True
@@ -202,6 +207,11 @@ class StepRecorder(TorchDispatchMode):
         elif self._gradients and func is torch.ops.aten.add_.Tensor and inputs[0] in self._gradients:
             self._mark_accumulated(inputs)
         recompute = self.phase is Phase.BACKWARD and self.scope.running_forward()
+        sums = (
+            self.phase is Phase.BACKWARD
+            and not recompute
+            and self._sums_gradients(func, args, out, inputs, outputs, index)
+        )
         flops = _flops(func, args, kwargs or {}, out)
         moved = _moved(func, read, written, args)
         if self.phase is Phase.OPTIMIZER:
@@ -217,9 +227,47 @@ class StepRecorder(TorchDispatchMode):
                 recompute,
                 flops=flops,
                 bytes_moved=sum(tensor.nbytes for tensor in moved),
+                sums_gradients=sums,
             )
         )
         return out
+
+    def _sums_gradients(self, func, args, out, inputs: tuple[int, ...], outputs: tuple[int, ...], index: int) -> bool:
+        """Whether the op is the autograd engine adding a gradient into another gradient of the same tensor
+        (``InputBuffer::accumulate``: ``old_var + var``) whose first operand a plain run would reuse for the sum.
+
+        The engine adds after the node that made the new gradient has returned, under that node: so the first
+        operand, the gradient held in the input buffer, was made before the node began (or by the node's previous sum
+        into the same buffer, where two of its outputs flow there), and none of the node's ops read it. A plain run
+        adds in place (``old_var.add_(var)``) when it holds the last reference to that gradient and its storage, and
+        the gradient is dense and no view (a view holds its base's storage too): whether the reference is the last
+        is the trace's to tell (tracer/gradient_sums.py)."""
+        node = torch._C._current_autograd_node()
+        key = None if node is None else node._sequence_nr()
+        if key != self._node:
+            self._node, self._node_start, self._read_in_node, self._summed_in_node = key, index, set(), set()
+        engine_sum = (
+            func is torch.ops.aten.add.Tensor
+            and node is not None
+            and len(inputs) == 2
+            and len(args) == 2
+            and isinstance(args[1], torch.Tensor)
+            and args[0].shape == args[1].shape == out.shape
+            and args[0].dtype == args[1].dtype
+            and self._buffered(inputs[0])
+        )
+        self._read_in_node.update(inputs)
+        if not engine_sum:
+            return False
+        self._summed_in_node.update(outputs)
+        held = args[0]
+        return not held._is_view() and _dense(held)
+
+    def _buffered(self, storage_id: int) -> bool:
+        """Whether the storage could be a gradient the engine holds in an input buffer for the running node's sum."""
+        created_at = self.storages[storage_id].created_at
+        made_before = created_at is None or created_at < self._node_start
+        return (made_before or storage_id in self._summed_in_node) and storage_id not in self._read_in_node
 
     def _traffic(self, moved: list[torch.Tensor], index: int) -> dict[int, int]:
         by_storage: dict[int, int] = {}
@@ -295,6 +343,19 @@ class StepRecorder(TorchDispatchMode):
                 self.listener.freed(storage)
 
         return callback
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its storage span without gaps or overlaps, in some order of its dimensions
+    (``is_non_overlapping_and_dense``)."""
+    expected = 1
+    for stride, size in sorted(
+        (stride, size) for size, stride in zip(tensor.shape, tensor.stride(), strict=True) if size != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _flops(func, args, kwargs, out) -> int:

@@ -156,6 +156,9 @@ class TrainingSetup:
     # (tracer/context_parallel.py)
     context_parallel: int = 1
     expandable_segments: bool = False  # CUDA caching allocator with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    # the step runs under a TorchDispatchMode (a memory recorder such as MemTracker, FlopCounterMode), under which
+    # autograd sums a tensor's gradients out of place (tracer/gradient_sums.py): for comparing with such runs
+    dispatch_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -1,0 +1,48 @@
+"""The autograd engine's gradient sums as a plain run makes them: in place where nothing else holds the first.
+
+A tensor used twice gets two gradients, which the engine adds in the input buffer of the node that consumes them
+(``InputBuffer::accumulate`` in torch/csrc/autograd/input_buffer.cpp): ``old_var.add_(var)`` when it holds the last
+reference to the buffered gradient and to its storage, the gradient is dense, and neither operand is
+"tensor-subclass-like"; ``old_var + var`` otherwise. ``at::isTensorSubclassLike`` is true for every tensor while a
+``TorchDispatchMode`` is active and for FakeTensors, so the recorded step adds out of place where the user's run
+adds in place: one gradient-sized block more at each such sum (tests/test_gradient_sums.py). A tied embedding's
+two vocabulary-sized gradients are the largest.
+
+The recorder marks the sums whose buffered gradient a plain run could reuse (``Op.sums_gradients``); the trace
+tells whether the buffer held the last reference: the gradient's storage dies at the sum. Then the sum takes that
+storage over: the gradient is freed just before the sum allocates, which is what an allocator that hands the
+freed block to the same-sized request does, and what the live bytes of an in-place add are. "Just before" is after
+the op before the sum, so a sum that begins its module's backward, where a runtime's hook could run in between
+(FSDP's pre-backward all-gather), stays out of place: no model traced so far has one (they follow the node's own
+ops).
+
+DTensors are tensor subclasses, so the sums of a tensor-parallel run stay out of place
+(strategies/tensor_parallel.py: ``out_of_place_sums``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tracer.trace import Trace
+from tracer.training import TrainingSetup
+
+
+def in_place(trace: Trace) -> Trace:
+    """The trace with each gradient sum that a plain run makes in place taking over its buffered gradient."""
+    handed_over = {}
+    for op in trace.ops:
+        if not op.sums_gradients:
+            continue
+        buffered = trace.storages[op.inputs[0]]
+        if buffered.freed_after == op.index and trace.ops[op.index - 1].module == op.module:
+            handed_over[buffered.id] = dataclasses.replace(buffered, freed_after=op.index - 1)
+    if not handed_over:
+        return trace
+    return dataclasses.replace(trace, storages=trace.storages | handed_over)
+
+
+def as_run(trace: Trace, setup: TrainingSetup) -> Trace:
+    """The trace's gradient sums as the setup's run makes them: in place where they can be, unless it runs under a
+    dispatch mode, as the trace was recorded."""
+    return trace if setup.dispatch_mode else in_place(trace)
