@@ -40,6 +40,10 @@ MAX_TRACE_ENTRIES = 2_000_000
 # How the weights came to the device: since 2026-11-27 built on the meta device and materialized as from_pretrained and
 # torchtitan do (tracer/materialize.py); earlier results, without the key, built every weight on the device first.
 BUILD = "meta"
+# Which step a single GPU's peaks are read off: since 2026-11-28 one run without the recorder, as users run it
+# (analysis/measure.py); earlier results, without the key, read the recorded step's, whose dispatch mode makes
+# autograd sum gradients out of place (tracer/gradient_sums.py). A parallel rank's step always ran plainly.
+PEAKS = "plain step"
 # The allocator trace, one row per event: [action, address, bytes, stream]. Actions as PyTorch names them.
 TRACE_ACTIONS = ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom")
 
@@ -139,6 +143,7 @@ def run(case: Case, target: Target, shared_device: bool = False) -> dict[str, An
             result["out_of_memory"] = str(error).split("\n")[0]
         else:
             result |= {
+                "peaks": PEAKS,
                 "max_memory_allocated": report.peak_bytes,
                 "max_memory_reserved": report.reserved_bytes,
                 "device_used_bytes": report.device_total_bytes,
