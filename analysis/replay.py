@@ -13,7 +13,9 @@ keeps every segment the warm-up reserved. The replay does the same with the one 
 * measured step: the same ops again, on the allocator state the warm-up left.
 
 Within an op, its new storages are allocated (in creation order) before the storages whose last use it was
-are freed: the same moment the op-level timeline counts (analysis/peak.py).
+are freed: the same moment the op-level timeline counts (analysis/peak.py). A gradient sum made in place
+(tracer/gradient_sums.py) allocates and frees nothing: it takes over its buffered gradient's block, as ``add_``
+writes into it.
 
 A ``generate()`` whose decode steps run as CUDA graphs (``compiled``, analysis/cudagraphs.py) does, in the
 warm-up only, what the process's first generate() did: ``empty_cache`` where the compiled call starts, the cuBLAS
@@ -32,6 +34,7 @@ from itertools import repeat
 from analysis.allocator import AllocatorConfig, Block, CachingAllocator, Segment
 from analysis.cudagraphs import CUDA_GRAPH_POOL, CompiledDecode, compiled_span, writes_in_place
 from analysis.liveness import holds_memory
+from tracer.gradient_sums import hands_over
 from tracer.graph import StepGraph, StorageRow
 from tracer.roles import Phase, Role
 
@@ -118,6 +121,9 @@ def replay_step(
             created[row.producer].append(storage_id)
         if row.freed_after is not None:
             released[row.freed_after].append(storage_id)
+    takes_over = _sums_in_place(step, sizes)
+    for buffered in takes_over.values():
+        released[step.storages[buffered].freed_after].remove(buffered)
 
     live: dict[int, Block] = {}
 
@@ -165,7 +171,10 @@ def replay_step(
                 if storage_id not in live:
                     allocate(storage_id, index, measured)
             for storage_id in made:
-                allocate(storage_id, index, measured)
+                if storage_id in takes_over:
+                    live[storage_id] = live.pop(takes_over[storage_id])
+                else:
+                    allocate(storage_id, index, measured)
             for storage_id in after:
                 if storage_id not in live:
                     allocate(storage_id, index, measured)
@@ -192,6 +201,15 @@ def replay_step(
         retries=allocator.retries,
         segments=list(allocator.segments),
     )
+
+
+def _sums_in_place(step: StepGraph, sizes: dict[int, int]) -> dict[int, int]:
+    """Each gradient sum made in place, by the storage it makes: the buffered gradient whose block it takes over."""
+    return {
+        op.outputs[0]: op.inputs[0]
+        for op in step.ops
+        if hands_over(op, step.storages) and sizes.get(op.outputs[0], 0) == sizes.get(op.inputs[0])
+    }
 
 
 def _made_in_first_step(row: StorageRow, sizes: dict[int, int]) -> bool:

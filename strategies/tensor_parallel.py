@@ -64,6 +64,7 @@ from strategies.collectives import recorded
 from strategies.rewrite import Point, Rewrite
 from strategies.sharding import chunk_length
 from tracer.errors import UserError
+from tracer.gradient_sums import hands_over
 from tracer.graph import ALL_REDUCE, TENSOR_PARALLEL, Collective, StepGraph, StorageRow, replaced
 from tracer.modules import plan_pattern, within
 from tracer.roles import Phase, Role
@@ -463,7 +464,7 @@ def out_of_place_sums(step: StepGraph) -> StepGraph:
     an in-place sum took over (tracer/gradient_sums.py) lives through the sum that reads it."""
     restored = {}
     for op in step.ops:
-        if op.sums_gradients and step.storages[op.inputs[0]].freed_after == op.index - 1:
+        if hands_over(op, step.storages):
             row = step.storages[op.inputs[0]]
             restored[row.id] = replaced(row, freed_after=op.index)
     return dataclasses.replace(step, storages=step.storages | restored) if restored else step

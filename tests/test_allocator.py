@@ -3,6 +3,8 @@ replay of recorded steps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from analysis.allocator import MIB, AllocatorConfig, CachingAllocator, OutOfMemory, block_size, segment_size
@@ -10,6 +12,7 @@ from analysis.estimate import analyze
 from analysis.peak import find_peak, timeline
 from analysis.replay import replay_step, workspace_first_use
 from tests.tiny_models import tiny_model
+from tracer.gradient_sums import in_place
 from tracer.graph import build_graph
 from tracer.roles import Phase, Role
 from tracer.trace import Op, Storage, Trace
@@ -170,6 +173,41 @@ def test_replay_warms_up_creates_optimizer_state_lazily_and_reports_the_measured
     assert replay.peak_reserved == 3 * 12 * MIB + 2 * 16 * MIB
     line = timeline(step).with_allocator_slack(replay.allocated_at)
     assert [line.total(i) for i in range(3)] == replay.allocated_at
+
+
+def test_a_gradient_sum_made_in_place_takes_over_its_buffered_gradients_block():
+    """The engine's ``old.add_(new)`` allocates and frees nothing: replayed from the trace with its sum handed over
+    (tracer/gradient_sums.py), the allocator ends as if the trace had recorded that ``add_``. Freeing the buffered
+    gradient and then allocating the sum would not: the freed block merges with its free neighbour into 24 MiB, the
+    sum takes another cached 12 MiB block, and the last op's 24 MiB fits where, after an ``add_``, it needs a new
+    segment."""
+    storages = [
+        _storage(0, 24 * MIB, Role.TEMPORARY, 0, 0),  # leaves a 24 MiB segment cached
+        _storage(1, 12 * MIB, Role.TEMPORARY, 1, 3),  # the buffered gradient, half of it
+        _storage(2, 12 * MIB, Role.TEMPORARY, 1, 2),  # its neighbour, the other half
+        _storage(3, 12 * MIB, Role.TEMPORARY, 2, 2),  # a 12 MiB segment, cached after op 2
+        _storage(4, 12 * MIB, Role.TEMPORARY, 2, 3),  # the new gradient
+        _storage(5, 12 * MIB, Role.TEMPORARY, 3, 4),  # the sum
+        _storage(6, 24 * MIB, Role.TEMPORARY, 4, 4),
+    ]
+    ops = [
+        Op(0, "aten.mm.default", "layer", Phase.BACKWARD, (), (0,)),
+        Op(1, "aten.mm.default", "layer", Phase.BACKWARD, (), (1, 2)),
+        Op(2, "aten.mm.default", "layer", Phase.BACKWARD, (), (3, 4)),
+        Op(3, "aten.add.Tensor", "layer", Phase.BACKWARD, (1, 4), (5,), sums_gradients=True),
+        Op(4, "aten.mm.default", "layer", Phase.BACKWARD, (5,), (6,)),
+    ]
+    handed_over = build_graph(in_place(Trace(ops=ops, storages={s.id: s for s in storages})))
+    add_ = [
+        *ops[:3],
+        Op(3, "aten.add_.Tensor", "layer", Phase.BACKWARD, (1, 4), (1,)),
+        Op(4, "aten.mm.default", "layer", Phase.BACKWARD, (1,), (6,)),
+    ]
+    kept = [*storages[:1], dataclasses.replace(storages[1], freed_after=4), *storages[2:5], storages[6]]
+    recorded_add_ = build_graph(Trace(ops=add_, storages={s.id: s for s in kept}))
+    ours, theirs = replay_step(handed_over), replay_step(recorded_add_)
+    assert (ours.allocated_at, ours.peak_reserved) == (theirs.allocated_at, theirs.peak_reserved)
+    assert ours.peak_reserved == 24 * MIB + 2 * 12 * MIB + 24 * MIB  # freed and allocated again: 48 MiB
 
 
 def test_workspace_first_use_is_its_threads_first_cublas_op():

@@ -11,7 +11,8 @@ two vocabulary-sized gradients are the largest.
 The recorder marks the sums whose buffered gradient a plain run could reuse (``Op.sums_gradients``); the trace
 tells whether the buffer held the last reference: the gradient's storage dies at the sum. Then the sum takes that
 storage over: the gradient is freed just before the sum allocates, which is what an allocator that hands the
-freed block to the same-sized request does, and what the live bytes of an in-place add are. "Just before" is after
+freed block to the same-sized request does, and what the live bytes of an in-place add are; the allocator replay
+gives the sum that very block (analysis/replay.py). "Just before" is after
 the op before the sum, so a sum that begins its module's backward, where a runtime's hook could run in between
 (FSDP's pre-backward all-gather), stays out of place: no model traced so far has one (they follow the node's own
 ops).
@@ -23,9 +24,16 @@ DTensors are tensor subclasses, so the sums of a tensor-parallel run stay out of
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
-from tracer.trace import Trace
+from tracer.graph import StorageRow
+from tracer.trace import Op, Trace
 from tracer.training import TrainingSetup
+
+
+def hands_over(op: Op, storages: Mapping[int, StorageRow]) -> bool:
+    """Whether ``op`` is a sum made in place: its buffered gradient handed over to it (:func:`in_place`)."""
+    return op.sums_gradients and storages[op.inputs[0]].freed_after == op.index - 1
 
 
 def in_place(trace: Trace) -> Trace:
