@@ -10,12 +10,10 @@ two vocabulary-sized gradients are the largest.
 
 The recorder marks the sums whose buffered gradient a plain run could reuse (``Op.sums_gradients``); the trace
 tells whether the buffer held the last reference: the gradient's storage dies at the sum. Then the sum takes that
-storage over: the gradient is freed just before the sum allocates, which is what an allocator that hands the
-freed block to the same-sized request does, and what the live bytes of an in-place add are; the allocator replay
-gives the sum that very block (analysis/replay.py). "Just before" is after
-the op before the sum, so a sum that begins its module's backward, where a runtime's hook could run in between
-(FSDP's pre-backward all-gather), stays out of place: no model traced so far has one (they follow the node's own
-ops).
+storage over: the gradient is freed just before the sum allocates, which is what the live bytes of an in-place add
+are, and the allocator replay gives the sum that very block (analysis/replay.py). "Just before" is after the op
+before the sum, so a sum that begins its module's backward, where a runtime's hook could run in between (FSDP's
+pre-backward all-gather), stays out of place; in no model traced so far does one (a node's sums follow its own ops).
 
 DTensors are tensor subclasses, so the sums of a tensor-parallel run stay out of place
 (strategies/tensor_parallel.py: ``out_of_place_sums``).

@@ -37,8 +37,8 @@ class Op:
     # In a pipeline stage's step (strategies/pipeline.py): the (stage, microbatch) whose forward or backward pass
     # this op of the traced step runs in; None for the optimizer's ops and everywhere else.
     pipeline_pass: tuple[int, int] | None = None
-    # The autograd engine's sum of two gradients of one tensor, which a plain run makes in place into the first
-    # where nothing else holds it (tracer/recorder.py: ``StepRecorder._sums_gradients``)
+    # The autograd engine's sum of two gradients of one tensor into a buffered gradient that is dense and no view,
+    # which a plain run makes in place where nothing else holds that gradient (tracer/gradient_sums.py)
     sums_gradients: bool = False
 
     @property
