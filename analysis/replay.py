@@ -208,7 +208,9 @@ def _sums_in_place(step: StepGraph, sizes: dict[int, int]) -> dict[int, int]:
     return {
         op.outputs[0]: op.inputs[0]
         for op in step.ops
-        if hands_over(op, step.storages) and sizes.get(op.outputs[0], 0) == sizes.get(op.inputs[0])
+        if op.sums_gradients  # the cheap test first: this runs over every op of every replay
+        and hands_over(op, step.storages)
+        and sizes.get(op.outputs[0], 0) == sizes.get(op.inputs[0])
     }
 
 

@@ -464,7 +464,7 @@ def out_of_place_sums(step: StepGraph) -> StepGraph:
     an in-place sum took over (tracer/gradient_sums.py) lives through the sum that reads it."""
     restored = {}
     for op in step.ops:
-        if hands_over(op, step.storages):
+        if op.sums_gradients and hands_over(op, step.storages):  # the cheap test first
             row = step.storages[op.inputs[0]]
             restored[row.id] = replaced(row, freed_after=op.index)
     return dataclasses.replace(step, storages=step.storages | restored) if restored else step
