@@ -268,4 +268,6 @@ class TrainingSetup:
             del data[name]
         del data["expert_parallel"], data["routing_imbalance"]  # the layout's (--ep), reported with it
         del data["context_parallel"]  # the layout's (--cp), reported with it
+        if not self.dispatch_mode:  # a comparison's setting, worth saying only when it is on
+            del data["dispatch_mode"]
         return data
