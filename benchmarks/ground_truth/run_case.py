@@ -40,7 +40,7 @@ MAX_TRACE_ENTRIES = 2_000_000
 # How the weights came to the device: since 2026-11-27 built on the meta device and materialized as from_pretrained and
 # torchtitan do (tracer/materialize.py); earlier results, without the key, built every weight on the device first.
 BUILD = "meta"
-# Which step a single GPU's peaks are read off: since 2026-11-28 one run without the recorder, as users run it
+# Which step a single GPU's peaks are read off: since 2026-11-27 one run without the recorder, as users run it
 # (analysis/measure.py); earlier results, without the key, read the recorded step's, whose dispatch mode makes
 # autograd sum gradients out of place (tracer/gradient_sums.py). A parallel rank's step always ran plainly.
 PEAKS = "plain step"
