@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from strategies.tensor_parallel import TensorParallel
-from tracer.gradient_sums import in_place
+from tracer.gradient_sums import hands_over, in_place
 from tracer.graph import build_graph
 from tracer.resolve import ResolvedModel
 from tracer.step import TrainingStep, build_optimizer
@@ -90,11 +90,7 @@ def _sums_in_place_by_a_plain_run(model: ResolvedModel, setup: TrainingSetup) ->
 def _sums_in_place_by_the_trace(model: ResolvedModel, setup: TrainingSetup) -> list[tuple[int, ...]]:
     recorded = trace_step(model, setup)
     made_in_place = in_place(recorded)
-    return [
-        recorded.storages[op.inputs[0]].shape
-        for op in recorded.ops
-        if op.sums_gradients and made_in_place.storages[op.inputs[0]].freed_after == op.index - 1
-    ]
+    return [recorded.storages[op.inputs[0]].shape for op in recorded.ops if hands_over(op, made_in_place.storages)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -25,11 +25,11 @@ import dataclasses
 from collections.abc import Mapping
 
 from tracer.graph import StorageRow
-from tracer.trace import Op, Trace
+from tracer.trace import Op, Storage, Trace
 from tracer.training import TrainingSetup
 
 
-def hands_over(op: Op, storages: Mapping[int, StorageRow]) -> bool:
+def hands_over(op: Op, storages: Mapping[int, Storage] | Mapping[int, StorageRow]) -> bool:
     """Whether ``op`` is a sum made in place: its buffered gradient handed over to it (:func:`in_place`)."""
     return op.sums_gradients and storages[op.inputs[0]].freed_after == op.index - 1
 
