@@ -29,6 +29,12 @@ Each module of the plan has a style (transformers' names, torch/distributed/tens
   input-first (Llama 4's, run through ``bmm``) get ``packed_rowwise`` on ``gate_up_proj`` and ``colwise`` on
   ``down_proj`` instead, which split the same intermediate features; Llama 4 trains under none of this
   (:data:`ADDS_INTO_ROWWISE_OUTPUT`).
+* ``mla_kv_a_proj`` on multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2, transformers'
+  ``MlaKvAProjParallel``): the weight stays whole, the output is split into the latent and the rotary key part and
+  joined again by ``torch.cat`` (a copy of the output that takes over from it). The rotary key is shared by every
+  head, so its gradient is summed over the rank's heads only: a partial sum of full size, which the style's
+  ``_AllReduceBackward`` makes contiguous (a copy of that part) and all-reduces in place, before the split's
+  backward joins the two gradients into a new one.
 
 Activations follow from the weights: the step is walked in op order and each new storage gets the share
 of its single-GPU bytes this rank holds. A matmul with a sharded weight makes a slice from a full input,
@@ -84,13 +90,14 @@ ROWWISE_SPLIT_INPUT = "rowwise_split_input"
 PACKED_COLWISE = "packed_colwise"
 PACKED_ROWWISE = "packed_rowwise"
 MOE_TP_EXPERTS = "moe_tp_experts"
+MLA_KV_A_PROJ = "mla_kv_a_proj"
 # The styles of a MoE layer's experts: the module's, and its packed expert weights' (3-D parameters named in the plan).
 MOE_STYLES = (MOE_TP_EXPERTS, PACKED_COLWISE, PACKED_ROWWISE)
 # Decoder-layer styles that gather a layer's output or take its input whole (Phi-3, OLMoE, Qwen3-Next's linear
 # attention).
 WHOLE_ACTIVATION_STYLES = (COLWISE_GATHER_OUTPUT, ROWWISE_SPLIT_INPUT)
 # The decoder layers' styles modelled, in training and at inference.
-DECODER_STYLES = (COLWISE, ROWWISE, *MOE_STYLES, *WHOLE_ACTIVATION_STYLES)
+DECODER_STYLES = (COLWISE, ROWWISE, *MOE_STYLES, *WHOLE_ACTIVATION_STYLES, MLA_KV_A_PROJ)
 # transformers' style for a parameter every rank holds whole (Qwen3's and Gemma 3's q/k norms, which see the rank's
 # heads only) and whose gradient it all-reduces in place: in memory, what a module outside the plan gets.
 REPLICATED_WITH_GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
@@ -123,6 +130,7 @@ _MATMULS = frozenset(
     }
 )
 _EMBEDDING = "aten.embedding.default"
+_SUM = "aten.sum.dim_IntList"
 _EMBEDDING_BACKWARD = "aten.embedding_dense_backward.default"
 _LOG_SOFTMAX = "aten._log_softmax.default"
 _NLL_LOSS_BACKWARD = "aten.nll_loss_backward.default"
@@ -182,8 +190,8 @@ class TensorParallel:
             raise UserError(
                 f"--tp needs the model's tensor-parallel plan, and transformers defines none for {name}. "
                 "Tensor parallelism is modelled for models that have one (Llama, Mistral, Qwen2, Qwen3, Gemma-2, "
-                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Phi-3, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V3, Qwen3-Next); use "
-                "--tp 1."
+                "Gemma 3, SmolLM3, GPT-NeoX/Pythia, Phi-3, Qwen3-MoE, Mixtral, GLM-4.5, DeepSeek-V2 and V3, "
+                "Qwen3-Next); use --tp 1."
             )
         vocab = getattr(config, "vocab_size", None)
         if self.inference and vocab and vocab % self.degree and not gathers_uneven_outputs():
@@ -214,7 +222,8 @@ class TensorParallel:
         if unsupported:
             raise UserError(
                 f"--tp: {name}'s tensor-parallel plan uses {', '.join(unsupported)}, which is not modelled "
-                "(only colwise, rowwise, their gathered variants and MoE experts' layers are); use --tp 1."
+                "(only colwise, rowwise, their gathered variants, MoE experts' layers and mla_kv_a_proj are); "
+                "use --tp 1."
             )
 
     def distinct_ranks(self, step: StepGraph) -> list[int]:
@@ -487,6 +496,9 @@ class _TensorParallel:
         self.forward_gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
         self.forward_gatherers += [plan.output_embedding] if plan.output_embedding else []
         self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
+        # multi-head latent attention modules, whose heads share a rotary key that their latent projection splits off
+        self.latent_attention = [p.rpartition(".")[0] for p, style in layers.items() if style == MLA_KV_A_PROJ]
+        self.rejoined: set[int] = set()  # latent projections' output gradients already joined anew
         self._styles: dict[str, str | None] = {}
         self._gatherers: dict[tuple[bool, str], str | None] = {}
         # this rank's key/value heads (they divide evenly), or all of them when the plan leaves attention whole
@@ -578,6 +590,8 @@ class _TensorParallel:
             self.split_incoming_gradients(op)
         elif op.runs_forward and style == ROWWISE_SPLIT_INPUT:
             self.split_inputs_entering(op)
+        elif not op.runs_forward and style == MLA_KV_A_PROJ:
+            self.rejoin_latent_gradient(op)
         storages = self.step.storages
         made = [s for s in op.outputs if storages[s].producer == op.index and s not in self.share]
         if not made:
@@ -601,6 +615,8 @@ class _TensorParallel:
             out = parameters[0]
         elif any(share.partial for share in inputs):  # scaled or accumulated, still a partial sum
             out = _Share(partial=True)
+        elif self.sums_shared_rotary_key(op, made[0]):
+            out = _REPLICATED
         else:
             out = min(inputs, key=lambda share: share.fraction, default=_REPLICATED).slice()
             if out.sliced and op.phase is Phase.BACKWARD:
@@ -616,6 +632,8 @@ class _TensorParallel:
                 self.pending[storage_id] = (self.partial_scope(op), op)
             elif gather:
                 self.all_gather(op, storage_id)
+            elif op.runs_forward and style == MLA_KV_A_PROJ and op.target in _MATMULS:
+                self.join_latent_output(op, storage_id)
 
     def slice_replicated_operands(self, op, made: list[int], out: _Share) -> None:
         """A backward op that combines a sliced gradient with a replicated one of the same shape (a tied embedding's
@@ -844,6 +862,51 @@ class _TensorParallel:
             sliced = weight.slice()
             self._hand_over(storage_id, point, self._bytes(row, sliced), "gradient slice")
             self.share[storage_id] = sliced
+
+    # Multi-head latent attention (MlaKvAProjParallel).
+
+    def join_latent_output(self, op, storage_id: int) -> None:
+        """The latent projection's output, split into the latent and the rotary key and joined again by
+        ``torch.cat``: a copy that takes over from it (in forward, recomputation and inference alike)."""
+        cat = self.rw.after(op.index, "tp.mla_cat", op.module, op.phase)
+        self._hand_over(storage_id, cat, self.step.storages[storage_id].nbytes, "latent and rotary key joined")
+
+    def sums_shared_rotary_key(self, op, made: int) -> bool:
+        """Whether a backward op sums the gradient of the rotary key over the rank's heads (``expand``'s backward):
+        every head shares the key, so the sum is a partial one of full size. The latent projection's style all-reduces
+        it in place (:meth:`rejoin_latent_gradient`), so it is no pending partial sum here."""
+        if op.target != _SUM or op.runs_forward or not self._in_latent_attention(op.module):
+            return False
+        source, result = self.step.storages[op.inputs[0]], self.step.storages[made]
+        summed_heads = len(source.shape) == len(result.shape) and any(
+            kept == 1 < size for size, kept in zip(source.shape, result.shape, strict=True)
+        )
+        return summed_heads and self.input_share(op, source.id).sliced
+
+    def rejoin_latent_gradient(self, op) -> None:
+        """Where the latent projection's output gradient arrives, its style's backward: the rotary key's part made
+        contiguous (a copy, ``grad.contiguous()``) and all-reduced in place, then the split's backward joins both
+        parts into a new gradient that takes over from the arriving one."""
+        rotary = self.step.structure.rotary_key_dim
+        for storage_id in op.inputs:
+            row = self.step.storages[storage_id]
+            if storage_id in self.rejoined or row.producer is None or row.role is Role.PARAMETER:
+                continue
+            producer = self.step.ops[row.producer]
+            if producer.runs_forward or within(producer.module, op.module):
+                continue
+            if rotary is None:
+                raise UserError(f"--tp: {op.module} is split as {MLA_KV_A_PROJ!r}; the config has no qk_rope_head_dim.")
+            copy = self.rw.before(op.index, "tp.mla_rotary_key_contiguous", op.module, op.phase)
+            self.rw.before(op.index, "c10d.allreduce_", op.module, op.phase)
+            cat = self.rw.before(op.index, "tp.mla_split_backward", op.module, op.phase)
+            rotary_bytes = row.nbytes * rotary // row.shape[-1]
+            self.rw.add(rotary_bytes, Role.TEMPORARY, copy, cat, "rotary key gradient", row.dtype)
+            self._hand_over(storage_id, cat, row.nbytes, "latent gradient joined")
+            self.rejoined.add(storage_id)
+
+    def _in_latent_attention(self, module: str) -> bool:
+        return any(plan_pattern(pattern).fullmatch(module) for pattern in self.latent_attention)
 
     def _hand_over(self, storage_id: int, point, nbytes: int, name: str) -> None:
         row = self.step.storages[storage_id]

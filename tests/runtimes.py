@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools import mod_tracker
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -50,6 +50,7 @@ from strategies.tensor_parallel import (
     COLWISE,
     COLWISE_GATHER_OUTPUT,
     EMBEDDING_ROWWISE,
+    MLA_KV_A_PROJ,
     ROWWISE,
     WHOLE_ACTIVATION_STYLES,
     TpPlan,
@@ -106,8 +107,27 @@ def _peak_of_step(
     context: Callable[[], AbstractContextManager] = nullcontext,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> int:
+    """The peak of :func:`_tracked_step`."""
+    tracker, _ = _tracked_step(model, setup, parallelize, context, wrap)
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def _module_peaks(tracker: MemTracker, net: nn.Module, module: str) -> tuple[int, int]:
+    """The most memory MemTracker saw while ``module`` ran its (last) forward and its backward."""
+    snapshots = tracker.memory_tracking[net.get_submodule(module)].snapshots
+    cpu = torch.device("cpu")
+    return snapshots[_ModState.PEAK_FW][-1][cpu]["Total"], snapshots[_ModState.PEAK_BW][-1][cpu]["Total"]
+
+
+def _tracked_step(
+    model: Model,
+    setup: TrainingSetup,
+    parallelize: Callable[[nn.Module], None],
+    context: Callable[[], AbstractContextManager] = nullcontext,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+) -> tuple[MemTracker, nn.Module]:
     """Build under FakeTensorMode, parallelize, run two steps, and track the third with MemTracker (or
-    FSDPMemTracker when FSDP wraps the model), which counts DTensor's local tensors.
+    FSDPMemTracker when FSDP wraps the model), which counts DTensor's local tensors; the tracker and the model.
 
     DTensor computes output shapes by running each op on fake global-shape tensors, in the fake mode it
     finds active; on a GPU that is a mode of its own and allocates nothing, so it is made one here too.
@@ -137,7 +157,7 @@ def _peak_of_step(
             tracker = _tracker(net, step.optimizer, batch)
             with tracker:
                 step.run(batch, partial(_new_pass, tracker), micro_steps)
-        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+        return tracker, net
 
 
 class _ReleasingGradHooks:
@@ -310,9 +330,11 @@ def transformers_rules(plan: TpPlan) -> dict[str, str]:
     """The rules run by transformers' classes: the MoE experts' (``MoeExpertsParallel``, and ``PackedColwiseParallel``
     and ``RowwiseParallel`` on their 3-D weights), which PyTorch has no style for, and the decoder layers' gathered
     projections (``colwise_gather_output``, ``rowwise_split_input``: transformers' DTensor ``ColwiseParallel`` and
-    ``RowwiseParallel`` with replicated outputs or inputs)."""
+    ``RowwiseParallel`` with replicated outputs or inputs), and multi-head latent attention's latent projection
+    (``mla_kv_a_proj``: ``MlaKvAProjParallel``)."""
     gathered = {p: s for p, s in plan.styles.items() if s in WHOLE_ACTIVATION_STYLES and p != plan.output_embedding}
-    return expert_rules(plan.styles) | gathered
+    latent = {p: s for p, s in plan.styles.items() if s == MLA_KV_A_PROJ}
+    return expert_rules(plan.styles) | gathered | latent
 
 
 def _expanded(rules: dict[str, str], net: nn.Module) -> dict[str, str]:
@@ -409,6 +431,29 @@ def tensor_parallel_peak(
     for ``loss_parallel()``, or gathered; optionally sequence parallel), over ``degree`` ranks; with
     ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh, mixed precision as its
     MixedPrecisionPolicy (bf16 compute over float32 weights, float32 reduction)."""
+    tracker, _ = _tensor_parallel_step(
+        model, setup, degree, rank, gathered_output, data_parallel, data_rank, reshard_after_forward, sequence_parallel
+    )
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def tensor_parallel_module_peaks(model: Model, setup: TrainingSetup, degree: int, module: str) -> tuple[int, int]:
+    """The most memory rank 0 of :func:`tensor_parallel_peak` holds while ``module`` runs forward, and backward."""
+    tracker, net = _tensor_parallel_step(model, setup, degree)
+    return _module_peaks(tracker, net, module)
+
+
+def _tensor_parallel_step(
+    model: Model,
+    setup: TrainingSetup,
+    degree: int,
+    rank: int = 0,
+    gathered_output: bool = False,
+    data_parallel: int = 1,
+    data_rank: int = 0,
+    reshard_after_forward: bool = True,
+    sequence_parallel: bool = False,
+) -> tuple[MemTracker, nn.Module]:
     world = degree * data_parallel
     policy = MixedPrecisionPolicy()
     if data_parallel > 1 and setup.mixed_precision is not None:
@@ -432,7 +477,7 @@ def tensor_parallel_peak(
 
         context = nullcontext if gathered_output else loss_parallel
         wrap = _WithPositions if sequence_parallel else None
-        return _peak_of_step(model, setup, parallelize, context, wrap)
+        return _tracked_step(model, setup, parallelize, context, wrap)
 
 
 def data_parallel(

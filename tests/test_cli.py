@@ -344,7 +344,6 @@ def test_parallel_json_lists_each_distinct_rank(tmp_path, capsys):
     [
         ("gpt2", "transformers defines none for GPT2"),
         ("llama4_text", "--tp in training: Llama4Text's MoE layer adds the routed experts' output"),
-        ("deepseek_v2", "mla_kv_a_proj"),
     ],
 )
 def test_tensor_parallelism_needs_a_modelled_plan(tmp_path, capsys, family, message):

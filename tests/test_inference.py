@@ -182,9 +182,9 @@ TP_FAMILIES = ["llama", "gemma2", "gpt_neox", "qwen3", "qwen3_moe"]
 
 
 def tp_heads(family: str, degree: int) -> dict[str, int]:
-    """Heads for ``degree`` ranks; latent attention (DeepSeek-V3) has as many key/value heads as query heads."""
+    """Heads for ``degree`` ranks; latent attention (DeepSeek-V2 and V3) has as many key/value heads as query heads."""
     heads = TP_HEADS[degree]
-    if family == "deepseek_v3":
+    if family in ("deepseek_v2", "deepseek_v3"):
         return {**heads, "num_key_value_heads": heads["num_attention_heads"]}
     return heads
 
@@ -253,6 +253,14 @@ def test_tensor_parallel_moe_without_attention_plan(cache):
     caches every head. Decode-bound: its prefill peaks in CPU's math attention, whose _safe_softmax allocates a
     mask of the scores' size inside the kernel, outside the dispatcher's view (limits.md)."""
     _check_tensor_parallel("deepseek_v3", _inference(cache=cache, **DECODE_PEAK), 2)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", pytest.param("static", marks=pytest.mark.slow)])
+def test_tensor_parallel_latent_attention(cache):
+    """DeepSeek-V2's plan splits the latent attention's heads (q and kv_b column-wise, o row-wise) and joins its
+    latent projection's output anew (MlaKvAProjParallel's torch.cat); every rank caches the whole compressed latent.
+    Decode-bound, as DeepSeek-V3 (limits.md)."""
+    _check_tensor_parallel("deepseek_v2", _inference(cache=cache, **DECODE_PEAK), 2)
 
 
 @pytest.mark.slow

@@ -139,7 +139,14 @@ def model_structure(model: nn.Module) -> ModelStructure:
         tp_plan=dict(getattr(model, "_tp_plan", None) or {}),
         ep_plan=dict(getattr(model, "_ep_plan", None) or {}),
         model_class=type(model).__name__,
+        rotary_key_dim=getattr(_text_config(model), "qk_rope_head_dim", None),
     )
+
+
+def _text_config(model: nn.Module) -> object:
+    """The config of the model's language model (a multimodal checkpoint nests it), None if it has none."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def input_embedding(model: nn.Module) -> nn.Module | None:

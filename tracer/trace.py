@@ -71,6 +71,9 @@ class ModelStructure:
     tp_plan: dict[str, str] = field(default_factory=dict)  # transformers' own: module path pattern -> style
     ep_plan: dict[str, str] = field(default_factory=dict)  # transformers' expert-parallel plan, the same way
     model_class: str = ""
+    # Multi-head latent attention's rotary key width (``qk_rope_head_dim``), which the tensor-parallel style of its
+    # latent projection splits off the projection's output; None for other attention.
+    rotary_key_dim: int | None = None
 
 
 @dataclass
