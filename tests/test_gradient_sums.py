@@ -9,23 +9,30 @@ more than a plain run holds at that moment. On an H200 this was Llama-3.2-1B's Z
 runs the step plainly, and its peak falls at the sum of the tied embedding's gradients.
 
 tracer/gradient_sums.py makes the trace's sums in place where the plain run makes them so; the check is the plain
-run itself, profiled: the sums its autograd engine makes in place, family by family.
+run itself, profiled: the sums its autograd engine makes in place, family by family, on one GPU and on a rank of
+FSDP2 and DDP (their parameters are plain tensors while they compute).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
+from runtimes import data_parallel, fake_process_group
 from tiny_models import FAMILIES, tiny_model
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+from strategies.layout import Layout, Rank, prepare
 from strategies.tensor_parallel import TensorParallel
-from tracer.gradient_sums import hands_over, in_place
+from tracer.gradient_sums import as_run, hands_over, in_place
 from tracer.graph import build_graph
+from tracer.modules import decoder_blocks
 from tracer.resolve import ResolvedModel
 from tracer.step import TrainingStep, build_optimizer
 from tracer.tracing import trace_step
@@ -78,6 +85,40 @@ def _sums_in_place_by_a_plain_run(model: ResolvedModel, setup: TrainingSetup) ->
     step.run(batch)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
         step.run(batch)
+    return _engine_sums(profiler)
+
+
+def _sums_in_place_by_a_data_parallel_run(
+    model: ResolvedModel, setup: TrainingSetup, layout: Layout
+) -> list[tuple[int, ...]]:
+    """:func:`_sums_in_place_by_a_plain_run` on rank 0 of a data-parallel layout under a fake process group, on real
+    CPU tensors: ``fully_shard`` on every decoder layer and the root (``layout.zero`` 3; mixed precision as its bf16
+    MixedPrecisionPolicy, as the estimate's FSDP2 runs it), or ``DistributedDataParallel`` (``layout.zero`` 0)."""
+    fsdp = layout.zero == 3
+    run_setup = dataclasses.replace(setup, mixed_precision=None) if fsdp else setup
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if fsdp and setup.mixed_precision else None
+    with fake_process_group(layout.gpus, 0):
+        mesh = init_device_mesh("cpu", (layout.gpus,))
+        torch.manual_seed(0)
+        net = model.load(run_setup, torch.device("cpu"))
+        if fsdp:
+            for module in [net.get_submodule(block) for block in decoder_blocks(net)] + [net]:
+                fully_shard(module, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+            runs = net
+        else:
+            runs, _ = data_parallel(net)
+        autocast = partial(torch.autocast, "cpu", dtype=run_setup.autocast_dtype) if run_setup.autocast_dtype else None
+        optimizer = build_optimizer(net, run_setup, foreach=None)
+        step = TrainingStep(runs, optimizer, **({"autocast": autocast} if autocast else {}))
+        batch = model.batch(run_setup, "cpu")
+        step.run(batch)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+            step.run(batch)
+    return _engine_sums(profiler)
+
+
+def _engine_sums(profiler: profile) -> list[tuple[int, ...]]:
+    """The shapes of the ``aten::add_`` the autograd engine itself called, outside any node's backward."""
     return [
         tuple(event.input_shapes[0])
         for event in profiler.events()
@@ -85,6 +126,13 @@ def _sums_in_place_by_a_plain_run(model: ResolvedModel, setup: TrainingSetup) ->
         and event.cpu_parent is not None
         and event.cpu_parent.name.startswith("autograd::engine::evaluate_function")
     ]
+
+
+def _sums_in_place_by_the_rank(model: ResolvedModel, setup: TrainingSetup, layout: Layout) -> list[tuple[int, ...]]:
+    """The sums rank 0's step makes in place, as the planner builds it: the trace's sums in place, then the layout."""
+    prepared = prepare(layout, setup, model.config)
+    rank = prepared.rank_step(build_graph(as_run(trace_step(model, prepared.traced), prepared.traced)), Rank())
+    return [rank.storages[op.inputs[0]].shape for op in rank.ops if hands_over(op, rank.storages)]
 
 
 def _sums_in_place_by_the_trace(model: ResolvedModel, setup: TrainingSetup) -> list[tuple[int, ...]]:
@@ -124,6 +172,31 @@ def test_the_trace_sums_in_place_what_a_plain_run_does_with_checkpointing_or_ada
     plain = _sums_in_place_by_a_plain_run(model, setup)
     assert plain
     assert _sums_in_place_by_the_trace(model, setup) == plain
+
+
+FSDP2 = Layout(gpus=2, zero=3)
+DDP = Layout(gpus=2)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "mixed_precision"),
+    [
+        ("llama", FSDP2, "bf16"),
+        ("llama", FSDP2, None),
+        ("llama", DDP, "bf16"),
+        *(pytest.param(f, FSDP2, "bf16", marks=pytest.mark.slow) for f in FAMILIES if f != "llama"),
+        *(pytest.param(f, DDP, "bf16", marks=pytest.mark.slow) for f in FAMILIES if f != "llama"),
+    ],
+    ids=lambda value: value.describe().partition(": ")[2] if isinstance(value, Layout) else value,
+)
+def test_a_data_parallel_rank_sums_in_place_what_its_runtime_does(family, layout, mixed_precision):
+    """FSDP2's unsharded parameters and DDP's are plain tensors, so their runtimes' engines sum in place as a plain
+    run does: each rank's step keeps the trace's in-place sums, the tied embedding's among them."""
+    model = tiny_model(family, tie_word_embeddings=True)
+    setup = TrainingSetup(batch_size=2, seq_len=16, target=Target.CPU, mixed_precision=mixed_precision)
+    runtime = _sums_in_place_by_a_data_parallel_run(model, setup, layout)
+    assert runtime, "the runtime sums nothing in place: the check checks nothing"
+    assert _sums_in_place_by_the_rank(model, setup, layout) == runtime
 
 
 def test_a_tensor_parallel_rank_sums_out_of_place():
