@@ -10,7 +10,7 @@ runs the step plainly, and its peak falls at the sum of the tied embedding's gra
 
 tracer/gradient_sums.py makes the trace's sums in place where the plain run makes them so; the check is the plain
 run itself, profiled: the sums its autograd engine makes in place, family by family, on one GPU and on a rank of
-FSDP2 and DDP (their parameters are plain tensors while they compute).
+FSDP2, DDP and a pipeline (their parameters are plain tensors while they compute).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from functools import partial
 
 import pytest
 import torch
+from pipeline_runtime import pipeline_rank
 from runtimes import data_parallel, fake_process_group
 from tiny_models import FAMILIES, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,6 +40,7 @@ from tracer.tracing import trace_step
 from tracer.training import LoraSetup, Target, TrainingSetup
 
 VOCAB = 8192
+FIRST_RANK = Rank()
 
 
 class _PassThrough(TorchDispatchMode):
@@ -128,11 +130,13 @@ def _engine_sums(profiler: profile) -> list[tuple[int, ...]]:
     ]
 
 
-def _sums_in_place_by_the_rank(model: ResolvedModel, setup: TrainingSetup, layout: Layout) -> list[tuple[int, ...]]:
-    """The sums rank 0's step makes in place, as the planner builds it: the trace's sums in place, then the layout."""
+def _sums_in_place_by_the_rank(
+    model: ResolvedModel, setup: TrainingSetup, layout: Layout, rank: Rank = FIRST_RANK
+) -> list[tuple[int, ...]]:
+    """The sums a rank's step makes in place, as the planner builds it: the trace's sums in place, then the layout."""
     prepared = prepare(layout, setup, model.config)
-    rank = prepared.rank_step(build_graph(as_run(trace_step(model, prepared.traced), prepared.traced)), Rank())
-    return [rank.storages[op.inputs[0]].shape for op in rank.ops if hands_over(op, rank.storages)]
+    step = prepared.rank_step(build_graph(as_run(trace_step(model, prepared.traced), prepared.traced)), rank)
+    return [step.storages[op.inputs[0]].shape for op in step.ops if hands_over(op, step.storages)]
 
 
 def _sums_in_place_by_the_trace(model: ResolvedModel, setup: TrainingSetup) -> list[tuple[int, ...]]:
@@ -197,6 +201,40 @@ def test_a_data_parallel_rank_sums_in_place_what_its_runtime_does(family, layout
     runtime = _sums_in_place_by_a_data_parallel_run(model, setup, layout)
     assert runtime, "the runtime sums nothing in place: the check checks nothing"
     assert _sums_in_place_by_the_rank(model, setup, layout) == runtime
+
+
+ONE_F_ONE_B = Layout(gpus=2, pp=2, pp_schedule="1f1b", microbatches=4)
+
+
+@pytest.mark.parametrize(
+    ("family", "layout", "mixed_precision"),
+    [
+        ("llama", ONE_F_ONE_B, "bf16"),
+        *(
+            pytest.param("llama", dataclasses.replace(ONE_F_ONE_B, pp_schedule=name), "bf16", marks=pytest.mark.slow)
+            for name in ("gpipe", "interleaved-1f1b")
+        ),
+        pytest.param("llama", ONE_F_ONE_B, None, marks=pytest.mark.slow),
+        pytest.param("llama", dataclasses.replace(ONE_F_ONE_B, gpus=4, zero=2), "bf16", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", ONE_F_ONE_B, "bf16", marks=pytest.mark.slow),
+        pytest.param("qwen3", ONE_F_ONE_B, "bf16", marks=pytest.mark.slow),
+    ],
+    ids=lambda value: value.describe().partition(": ")[2] if isinstance(value, Layout) else value,
+)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_pipeline_stage_sums_in_place_what_its_runtime_does(family, layout, mixed_precision, stage):
+    """torch.distributed.pipelining's stages backpropagate plain tensors: each stage's step, its microbatches' passes
+    in the schedule's order, makes in place the sums the runtime's engine makes."""
+    model = tiny_model(family, num_hidden_layers=4)
+    setup = TrainingSetup(batch_size=2, seq_len=16, target=Target.CPU, mixed_precision=mixed_precision)
+    with pipeline_rank(model, setup, layout, Rank(pp=stage)) as built:
+        built.step()
+        built.step()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
+            built.step()
+    runtime = _engine_sums(profiler)
+    assert runtime, "the runtime sums nothing in place: the check checks nothing"
+    assert _sums_in_place_by_the_rank(model, setup, layout, Rank(pp=stage)) == runtime
 
 
 def test_a_tensor_parallel_rank_sums_out_of_place():
