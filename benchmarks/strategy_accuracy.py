@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from runtimes import runtime_peak
-from tiny_models import EXPERTS_DOMINATE, tiny_model
+from tiny_models import EXPERTS_DOMINATE, LATENT_ATTENTION_DOMINATES, LATENT_ATTENTION_SHAPE, tiny_model
 
 from analysis.peak import find_peak, timeline
 from strategies.layout import Layout, Rank, prepare
@@ -98,6 +98,13 @@ def cases() -> list[tuple[str, Layout, Rank, dict, dict]]:
     ):
         found.append(("phi3", layout, rank, fused, shape | options))
     found.append(("qwen3_next", Layout(gpus=2, tp=2), Rank(), experts["qwen3_moe"], shape))  # gathered linear attention
+    for layout, rank, options in (  # DeepSeek-V2's latent attention split by its plan (mla_kv_a_proj), where it peaks
+        (Layout(gpus=2, tp=2), Rank(), {}),
+        (Layout(gpus=4, tp=4), Rank(tp=3), {}),
+        (Layout(gpus=2, tp=2), Rank(), {"grad_checkpointing": "full", "mixed_precision": "bf16"}),
+        (Layout(gpus=4, tp=2, zero=3), Rank(1, 1), {}),
+    ):
+        found.append(("deepseek_v2", layout, rank, LATENT_ATTENTION_DOMINATES, LATENT_ATTENTION_SHAPE | options))
     adapters = LoraSetup(r=4, alpha=8, targets=("q_proj", "v_proj"))
     for layout, options in (
         (Layout(gpus=4, zero=3), {"lora": adapters}),

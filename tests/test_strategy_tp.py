@@ -12,7 +12,7 @@ from runtimes import (
     tensor_parallel_peak,
     tensor_parallelize,
 )
-from tiny_models import EXPERTS_DOMINATE, tiny_model
+from tiny_models import EXPERTS_DOMINATE, LATENT_ATTENTION_DOMINATES, LATENT_ATTENTION_SHAPE, tiny_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -38,19 +38,6 @@ SPLITTABLE = {"num_attention_heads": 8, "num_key_value_heads": 8}
 # DeepSeek-V3's attention left whole by its plan), at the shape that puts the peak among them.
 EXPERTS = {family: SPLITTABLE | overrides for family, overrides in EXPERTS_DOMINATE.items()}
 EXPERT_SHAPE = {"batch_size": 2, "seq_len": 64}
-# DeepSeek-V2's latent attention with a wide latent and rotary key and no routed experts, so that the attention holds
-# the peak: its plan splits q and kv_b column-wise and o row-wise, and its latent projection is mla_kv_a_proj.
-LATENT = {
-    "vocab_size": 32,
-    "num_hidden_layers": 1,
-    "first_k_dense_replace": 2,
-    "intermediate_size": 16,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 2048,
-    "qk_rope_head_dim": 512,
-}
-LATENT_SHAPE = {"batch_size": 4, "seq_len": 16}
 LATENT_PROJECTION = "model.layers.0.self_attn.kv_a_proj_with_mqa"
 
 
@@ -279,7 +266,9 @@ def test_latent_attention_matches_the_runtime(degree, options):
     """DeepSeek-V2's plan, transformers' MlaKvAProjParallel on the latent projection: the heads share one rotary
     key, whose gradient each rank sums over its own heads at full size. Where the projection's style acts is
     checked while it runs (below): the whole step's peak moves by less than 1% without it."""
-    _check("deepseek_v2", degree, shape=LATENT_SHAPE | options, peak_in="self_attn", **LATENT)
+    _check(
+        "deepseek_v2", degree, shape=LATENT_ATTENTION_SHAPE | options, peak_in="self_attn", **LATENT_ATTENTION_DOMINATES
+    )
 
 
 def test_latent_projection_matches_the_runtime_while_it_runs():
@@ -287,8 +276,8 @@ def test_latent_projection_matches_the_runtime_while_it_runs():
     into) and backward (the arriving gradient, the rotary key's part made contiguous, and the gradient the split's
     backward joins anew), against MemTracker's peaks of that module. Without the joined copies they would be 10.7%
     and 1.6% under, and backward 4.7% under with the rotary key's gradient sliced like the heads."""
-    model = tiny_model("deepseek_v2", **(SPLITTABLE | LATENT))
-    setup = TrainingSetup(target=Target.CPU, **LATENT_SHAPE)
+    model = tiny_model("deepseek_v2", **LATENT_ATTENTION_DOMINATES)
+    setup = TrainingSetup(target=Target.CPU, **LATENT_ATTENTION_SHAPE)
     runtime = tensor_parallel_module_peaks(model, setup, 2, LATENT_PROJECTION)
     step = build_graph(trace_step(model, setup))
     rank_step = tensor_parallel(step, megatron_plan(step.structure, 2, 0, False))
@@ -303,8 +292,8 @@ def test_latent_projection_matches_the_runtime_while_it_runs():
 @pytest.mark.slow
 def test_latent_attention_under_fsdp():
     """DeepSeek-V2's plan over the tensor-parallel dimension, FSDP2 over the data-parallel one."""
-    model = tiny_model("deepseek_v2", **(SPLITTABLE | LATENT))
-    setup = TrainingSetup(target=Target.CPU, **LATENT_SHAPE)
+    model = tiny_model("deepseek_v2", **LATENT_ATTENTION_DOMINATES)
+    setup = TrainingSetup(target=Target.CPU, **LATENT_ATTENTION_SHAPE)
     layout, rank = Layout(gpus=4, tp=2, zero=3), Rank(1, 1)
     runtime = runtime_peak(model, setup, layout, rank)
     estimate = _estimate_2d(model, setup, layout, rank)
