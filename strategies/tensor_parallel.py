@@ -119,6 +119,7 @@ _PACKED = (PACKED_COLWISE, PACKED_ROWWISE)
 # Projections whose output holds the keys: a plan that splits one column-wise splits the cache's heads too
 # (transformers' get_kv_heads_per_rank, distributed/tensor_parallel.py).
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+_QUERY_PROJECTIONS = ("q_proj", "q_b_proj", "qkv_proj", "query_key_value")
 
 _MATMULS = frozenset(
     {
@@ -200,11 +201,12 @@ class TensorParallel:
                 f"over {self.degree} GPUs that do not divide them (ColwiseParallel.validate_param; transformers 5.24 "
                 f"gives the last GPU a shorter slice). Use a --tp dividing {vocab}, or a newer transformers."
             )
+        if splits_query_heads(plan) and config.num_attention_heads % self.degree:
+            raise UserError(
+                f"--tp {self.degree} must divide the {config.num_attention_heads} attention heads of this model."
+            )
         if splits_key_heads(plan):
-            heads = config.num_attention_heads
-            kv_heads = getattr(config, "num_key_value_heads", None) or heads
-            if heads % self.degree:
-                raise UserError(f"--tp {self.degree} must divide the {heads} attention heads of this model.")
+            kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
             if kv_heads % self.degree:
                 raise UserError(f"--tp {self.degree} must divide the {kv_heads} key/value heads of this model.")
         if not self.inference and getattr(config, "model_type", None) in ADDS_INTO_ROWWISE_OUTPUT:
@@ -287,6 +289,14 @@ def planned_embedding(structure: ModelStructure) -> bool:
     return any(
         style == EMBEDDING_ROWWISE and plan_pattern(pattern).fullmatch(structure.input_embedding)
         for pattern, style in structure.tp_plan.items()
+    )
+
+
+def splits_query_heads(styles: Mapping[str, str]) -> bool:
+    """Whether a plan splits the attention's query heads (latent attention's among them: DeepSeek-V2's q_proj or
+    q_b_proj)."""
+    return any(
+        pattern.rpartition(".")[2] in _QUERY_PROJECTIONS and style == COLWISE for pattern, style in styles.items()
     )
 
 

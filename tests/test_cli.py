@@ -314,6 +314,13 @@ def test_impossible_layouts(tmp_path, capsys, flags, message):
     _assert_user_error(code, err, message)
 
 
+def test_latent_attention_heads_must_split_evenly(tmp_path, capsys):
+    """DeepSeek-V2's plan splits the query heads (q_proj) and the latent's keys and values (kv_b_proj), not k_proj."""
+    config = str(_config_file(tmp_path, "deepseek_v2"))  # 4 heads
+    code, _, err = _run(capsys, "analyze", config, "--seq-len", "32", "--gpus", "8", "--tp", "8")
+    _assert_user_error(code, err, "--tp 8 must divide the 4 attention heads")
+
+
 def test_pipeline_json_lists_every_stage(tmp_path, capsys):
     config = str(_config_file(tmp_path, num_hidden_layers=4))
     flags = ["--gpus", "2", "--pp", "2", "--pp-schedule", "gpipe", "--microbatches", "3", "--json"]
