@@ -263,9 +263,6 @@ TINY_CONFIGS["qwen3_next"] = {
 }
 FAMILIES = tuple(TINY_CONFIGS)
 
-# Overrides under which a MoE family's experts dominate a training step: eight experts, four per token, an intermediate
-# size twice the hidden size, four layers and a vocabulary of 32 (at 2 x 64 tokens the peak falls in the last MoE
-# layer's backward, among the experts' activations and gradients).
 # DeepSeek-V2 with a wide latent and rotary key and no routed experts, at a shape where its latent attention (split by
 # its plan's mla_kv_a_proj) holds the peak of a training step.
 LATENT_ATTENTION_DOMINATES = {
@@ -279,6 +276,10 @@ LATENT_ATTENTION_DOMINATES = {
     "qk_rope_head_dim": 512,
 }
 LATENT_ATTENTION_SHAPE = {"batch_size": 4, "seq_len": 16}
+
+# Overrides under which a MoE family's experts dominate a training step: eight experts, four per token, an intermediate
+# size twice the hidden size, four layers and a vocabulary of 32 (at 2 x 64 tokens the peak falls in the last MoE
+# layer's backward, among the experts' activations and gradients).
 EXPERTS_DOMINATE = {
     family: {"vocab_size": 32, "num_hidden_layers": 4, "num_experts_per_tok": 4} | sizes
     for family, sizes in {
