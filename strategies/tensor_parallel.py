@@ -475,18 +475,34 @@ def tensor_parallel(step: StepGraph, plan: TpPlan) -> StepGraph:
     """The step of tensor-parallel rank ``plan.rank`` of ``plan.degree``."""
     if plan.degree < 2:
         raise ValueError("tensor parallelism needs at least 2 ranks")
-    return _TensorParallel(out_of_place_sums(step), plan).build()
+    return _TensorParallel(dtensor_sums_out_of_place(step, plan), plan).build()
 
 
-def out_of_place_sums(step: StepGraph) -> StepGraph:
-    """The step with every gradient sum out of place again, as DTensor runs them (a tensor subclass): each gradient
-    an in-place sum took over (tracer/gradient_sums.py) lives through the sum that reads it."""
+def dtensor_sums_out_of_place(step: StepGraph, plan: TpPlan) -> StepGraph:
+    """The step with the gradient sums of DTensors out of place again: DTensor is a tensor subclass, so the autograd
+    engine adds its gradients into a new tensor (tracer/gradient_sums.py), where a plain run adds in place. The
+    gradients that are DTensors here: those summed into a parameter's gradient (a tied embedding's, whose weight
+    ``parallelize_module`` made a DTensor) and, under sequence parallelism, those of a module's gathered input, which
+    stays a DTensor. Every other
+    activation gradient is a plain local tensor (the styles' ``use_local_output``), summed in place as in a plain run.
+    Each gradient an in-place sum took over and that is a DTensor lives through the sum that reads it again."""
+    gatherers = [p.rpartition(".")[0] for p, style in plan.styles.items() if style == COLWISE and "*" in p]
     restored = {}
     for op in step.ops:
-        if op.sums_gradients and hands_over(op, step.storages):  # the cheap test first
-            row = step.storages[op.inputs[0]]
+        if not (op.sums_gradients and hands_over(op, step.storages)):  # the cheap test first
+            continue
+        row = step.storages[op.inputs[0]]
+        made_in = step.ops[row.producer].module if row.producer is not None else ""
+        gathered = plan.sequence_length and any(_within_pattern(made_in, pattern) for pattern in gatherers)
+        if gathered or any(step.storages[made].param is not None for made in op.outputs):
             restored[row.id] = replaced(row, freed_after=op.index)
     return dataclasses.replace(step, storages=step.storages | restored) if restored else step
+
+
+def _within_pattern(module: str, pattern: str) -> bool:
+    """Whether the module at path ``module`` is, or lies in, a module the plan's ``pattern`` names."""
+    parts = module.split(".")
+    return any(plan_pattern(pattern).fullmatch(".".join(parts[:depth])) for depth in range(len(parts), 0, -1))
 
 
 class _TensorParallel:

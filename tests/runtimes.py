@@ -403,7 +403,7 @@ class _GatherSequence(ParallelStyle):
         return DTensor.from_local(tensor, mesh, (Shard(1),), run_check=False).redistribute(placements=(Replicate(),))
 
 
-class _WithPositions(nn.Module):
+class WithPositions(nn.Module):
     """Passes the positions: under sequence parallelism the model sees a slice of the sequence and would
     number its positions (and size its attention mask) from it."""
 
@@ -476,7 +476,7 @@ def _tensor_parallel_step(
                 shard(net)
 
         context = nullcontext if gathered_output else loss_parallel
-        wrap = _WithPositions if sequence_parallel else None
+        wrap = WithPositions if sequence_parallel else None
         return _tracked_step(model, setup, parallelize, context, wrap)
 
 

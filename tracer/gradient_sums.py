@@ -15,8 +15,9 @@ are, and the allocator replay gives the sum that very block (analysis/replay.py)
 before the sum, so a sum that begins its module's backward, where a runtime's hook could run in between (FSDP's
 pre-backward all-gather), stays out of place; in no model traced so far does one (a node's sums follow its own ops).
 
-DTensors are tensor subclasses, so the sums of a tensor-parallel run stay out of place
-(strategies/tensor_parallel.py: ``out_of_place_sums``).
+DTensors are tensor subclasses, so a tensor-parallel run sums out of place where a gradient is one (a tied
+embedding's weight gradients; under sequence parallelism, a gathered input's); its other gradients are plain local
+tensors, summed in place (strategies/tensor_parallel.py: ``dtensor_sums_out_of_place``).
 """
 
 from __future__ import annotations
