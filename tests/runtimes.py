@@ -100,15 +100,12 @@ def _real_mesh(build: Callable[..., DeviceMesh]) -> Callable[..., DeviceMesh]:
     return build_outside_fake_mode
 
 
-def _peak_of_step(
-    model: Model,
-    setup: TrainingSetup,
-    parallelize: Callable[[nn.Module], None],
-    context: Callable[[], AbstractContextManager] = nullcontext,
-    wrap: Callable[[nn.Module], nn.Module] | None = None,
-) -> int:
-    """The peak of :func:`_tracked_step`."""
-    tracker, _ = _tracked_step(model, setup, parallelize, context, wrap)
+def _peak_of_step(*args, **options) -> int:
+    """The peak of :func:`_tracked_step` (its arguments)."""
+    return _total_peak(_tracked_step(*args, **options)[0])
+
+
+def _total_peak(tracker: MemTracker) -> int:
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 
@@ -416,25 +413,9 @@ class WithPositions(nn.Module):
         return self.model(input_ids, labels=labels, position_ids=positions, cache_position=positions[0])
 
 
-def tensor_parallel_peak(
-    model: Model,
-    setup: TrainingSetup,
-    degree: int,
-    rank: int = 0,
-    gathered_output: bool = False,
-    data_parallel: int = 1,
-    data_rank: int = 0,
-    reshard_after_forward: bool = True,
-    sequence_parallel: bool = False,
-) -> int:
-    """``parallelize_module`` with the Megatron plan the estimate assumes (the lm_head's output left sliced
-    for ``loss_parallel()``, or gathered; optionally sequence parallel), over ``degree`` ranks; with
-    ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh, mixed precision as its
-    MixedPrecisionPolicy (bf16 compute over float32 weights, float32 reduction)."""
-    tracker, _ = _tensor_parallel_step(
-        model, setup, degree, rank, gathered_output, data_parallel, data_rank, reshard_after_forward, sequence_parallel
-    )
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+def tensor_parallel_peak(model: Model, setup: TrainingSetup, degree: int, *args, **options) -> int:
+    """The peak of :func:`_tensor_parallel_step` (its arguments)."""
+    return _total_peak(_tensor_parallel_step(model, setup, degree, *args, **options)[0])
 
 
 def tensor_parallel_module_peaks(model: Model, setup: TrainingSetup, degree: int, module: str) -> tuple[int, int]:
@@ -454,6 +435,11 @@ def _tensor_parallel_step(
     reshard_after_forward: bool = True,
     sequence_parallel: bool = False,
 ) -> tuple[MemTracker, nn.Module]:
+    """``parallelize_module`` with the Megatron plan the estimate assumes (the lm_head's output left sliced
+    for ``loss_parallel()``, or gathered; optionally sequence parallel), over ``degree`` ranks; with
+    ``data_parallel`` > 1, FSDP2 over the other dimension of a 2-D mesh, mixed precision as its
+    MixedPrecisionPolicy (bf16 compute over float32 weights, float32 reduction). The third step tracked: the
+    tracker and the model."""
     world = degree * data_parallel
     policy = MixedPrecisionPolicy()
     if data_parallel > 1 and setup.mixed_precision is not None:
