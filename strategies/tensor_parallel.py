@@ -483,10 +483,10 @@ def dtensor_sums_out_of_place(step: StepGraph, plan: TpPlan) -> StepGraph:
     engine adds its gradients into a new tensor (tracer/gradient_sums.py), where a plain run adds in place. The
     gradients that are DTensors here: those summed into a parameter's gradient (a tied embedding's, whose weight
     ``parallelize_module`` made a DTensor) and, under sequence parallelism, those of a module's gathered input, which
-    stays a DTensor. Every other
-    activation gradient is a plain local tensor (the styles' ``use_local_output``), summed in place as in a plain run.
-    Each gradient an in-place sum took over and that is a DTensor lives through the sum that reads it again."""
-    gatherers = [p.rpartition(".")[0] for p, style in plan.styles.items() if style == COLWISE and "*" in p]
+    stays a DTensor. Every other activation gradient is a plain local tensor (the styles' ``use_local_output``),
+    summed in place as in a plain run. Each gradient an in-place sum took over and that is a DTensor lives through
+    the sum that reads it again."""
+    gatherers = _input_gatherers(plan)
     restored = {}
     for op in step.ops:
         if not (op.sums_gradients and hands_over(op, step.storages)):  # the cheap test first
@@ -497,6 +497,14 @@ def dtensor_sums_out_of_place(step: StepGraph, plan: TpPlan) -> StepGraph:
         if gathered or any(step.storages[made].param is not None for made in op.outputs):
             restored[row.id] = replaced(row, freed_after=op.index)
     return dataclasses.replace(step, storages=step.storages | restored) if restored else step
+
+
+def _input_gatherers(plan: TpPlan) -> list[str]:
+    """The modules (plan patterns) that gather their input whole under sequence parallelism: the attention and the
+    MLP around the column-wise layers (``PrepareModuleInput``), and the lm_head."""
+    layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
+    gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
+    return gatherers + ([plan.output_embedding] if plan.output_embedding else [])
 
 
 def _within_pattern(module: str, pattern: str) -> bool:
@@ -519,8 +527,7 @@ class _TensorParallel:
         self.gathered_by: dict[str, str] = {}  # module of a layer reading a gathered input -> who gathered it
         self.split_inputs: dict[int, tuple[str, _Share]] = {}  # whole inputs -> the module whose backward reads a slice
         layers = {p: style for p, style in plan.styles.items() if p != plan.output_embedding}
-        self.forward_gatherers = [p.rpartition(".")[0] for p, style in layers.items() if style == COLWISE]
-        self.forward_gatherers += [plan.output_embedding] if plan.output_embedding else []
+        self.forward_gatherers = _input_gatherers(plan)
         self.backward_gatherers = [p for p, style in layers.items() if style in (ROWWISE, EMBEDDING_ROWWISE)]
         # multi-head latent attention modules, whose heads share a rotary key that their latent projection splits off
         self.latent_attention = [p.rpartition(".")[0] for p, style in layers.items() if style == MLA_KV_A_PROJ]
