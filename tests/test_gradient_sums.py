@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import pytest
@@ -84,13 +85,7 @@ def _sums_in_place_by_a_plain_run(model: ResolvedModel, setup: TrainingSetup) ->
     node's backward."""
     torch.manual_seed(0)
     net = model.load(setup, torch.device("cpu"))
-    autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
-    step = TrainingStep(net, build_optimizer(net, setup, foreach=None), **({"autocast": autocast} if autocast else {}))
-    batch = model.batch(setup, "cpu")
-    step.run(batch)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-        step.run(batch)
-    return _engine_sums(profiler)
+    return _sums_in_place_by_the_second_step(model, setup, net, net)
 
 
 def _sums_in_place_by_a_data_parallel_run(
@@ -112,10 +107,23 @@ def _sums_in_place_by_a_data_parallel_run(
             runs = net
         else:
             runs, _ = data_parallel(net)
-        autocast = partial(torch.autocast, "cpu", dtype=run_setup.autocast_dtype) if run_setup.autocast_dtype else None
-        optimizer = build_optimizer(net, run_setup, foreach=None)
-        step = TrainingStep(runs, optimizer, **({"autocast": autocast} if autocast else {}))
-        batch = model.batch(run_setup, "cpu")
+        return _sums_in_place_by_the_second_step(model, run_setup, net, runs)
+
+
+def _sums_in_place_by_the_second_step(
+    model: ResolvedModel,
+    setup: TrainingSetup,
+    net: torch.nn.Module,
+    runs: torch.nn.Module,
+    around: Callable[[], AbstractContextManager] = nullcontext,
+) -> list[tuple[int, ...]]:
+    """:func:`_engine_sums` of the second of two training steps of ``runs`` (``net`` under its runtime, or ``net``
+    itself), each inside ``around()``; under autocast with mixed precision."""
+    autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
+    optimizer = build_optimizer(net, setup, foreach=None)
+    step = TrainingStep(runs, optimizer, loss_fn=model.loss_fn, **({"autocast": autocast} if autocast else {}))
+    batch = model.batch(setup, "cpu")
+    with around():
         step.run(batch)
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
             step.run(batch)
@@ -251,16 +259,9 @@ def _sums_in_place_by_a_tensor_parallel_run(model: ResolvedModel, setup: Trainin
         gathered = layout.tp_output == "gathered"
         sequence = setup.seq_len if layout.sequence_parallel else None
         tensor_parallelize(net, mesh, megatron_plan(model_structure(net), 2, 0, gathered, sequence))
-        autocast = partial(torch.autocast, "cpu", dtype=setup.autocast_dtype) if setup.autocast_dtype else None
         runs = WithPositions(net) if sequence else net
-        optimizer = build_optimizer(net, setup, foreach=None)
-        step = TrainingStep(runs, optimizer, loss_fn=model.loss_fn, **({"autocast": autocast} if autocast else {}))
-        batch = model.batch(setup, "cpu")
-        with nullcontext() if gathered else loss_parallel():
-            step.run(batch)
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiler:
-                step.run(batch)
-    return [math.prod(shape) for shape in _engine_sums(profiler)]
+        sums = _sums_in_place_by_the_second_step(model, setup, net, runs, nullcontext if gathered else loss_parallel)
+    return [math.prod(shape) for shape in sums]
 
 
 def _sums_in_place_by_the_tensor_parallel_rank(model: ResolvedModel, setup: TrainingSetup, layout: Layout) -> list[int]:
