@@ -721,6 +721,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "auto searches them when no other layout fits (default), on always, off never",
     )
     group.add_argument(
+        "--exhaustive",
+        action="store_true",
+        help="search every layout; by default a layout whose ceiling (every GPU running its forward and backward "
+        "ops at their roofline, nothing else) is below the fastest layout found is listed under 'Not "
+        "considered' without a search",
+    )
+    group.add_argument(
         "--jobs",
         type=count(maximum=1024),
         default=os.cpu_count() or 1,

@@ -138,6 +138,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             offload=not args.no_offload,
             pipeline=args.pipeline,
             routing_imbalance=args.routing_imbalance,
+            exhaustive=args.exhaustive,
             jobs=args.jobs,
             on_progress=bar,
         )

@@ -113,6 +113,9 @@ class StepSource:
         it is derived from."""
         return (self, batch) if self.plain is None else (self.plain, batch)
 
+    def has_trace(self, batch: int) -> bool:
+        return batch in self._traces
+
     def add_trace(self, batch: int, trace: Trace) -> None:
         """A trace made elsewhere (the planner traces in worker processes)."""
         self._traces[batch] = trace

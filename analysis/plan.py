@@ -29,7 +29,7 @@ from analysis.budget import MemoryBudget
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
-from analysis.steptime import Cluster, StepTime, pipeline_step_time, step_time
+from analysis.steptime import Cluster, StepTime, pipeline_step_time, roofline_seconds_per_sequence, step_time
 from strategies.layout import Layout, Rank, prepare
 from strategies.pipeline import schedule_takes
 from strategies.tensor_parallel import TensorParallel
@@ -50,6 +50,11 @@ MAX_PIPELINE_STAGES = 8
 CONTEXT_PARALLEL_FROM = 16_384
 MAX_CONTEXT_PARALLEL = 8
 MICROBATCHES_PER_STAGE = 2
+# Layouts searched first: those whose throughput ceiling is within this share of the highest (the layouts that do
+# not recompute their forward, where some do); the others only where their ceiling beats the fastest of those.
+FIRST_ROUND = 0.9
+AS_FAST_WITHIN = 0.01  # a layout this much slower than the fastest (a share of its tokens/s) is as fast
+LINE_BATCHES = (StepSource.LINE_FIRST, StepSource.LINE_FIRST + 1)
 T = TypeVar("T")
 
 
@@ -256,12 +261,15 @@ def plan(
     on_progress: Callable[[str, int, int], None] = lambda what, done, total: None,
     pipeline: str = "auto",
     routing_imbalance: float = 1.0,
+    exhaustive: bool = False,
 ) -> Plan:
     """Every candidate layout's largest fitting micro-batch and step time, fastest first. The distinct steps
     are traced first; then ``jobs`` processes search the candidates (forked, sharing the traces). ``pipeline``
     "auto" searches pipeline-parallel layouts only when no other layout fits (a pipeline stage is the costliest
     to search, and within reach of a layout without a bubble it is rarely faster). ``routing_imbalance``: the
-    busiest GPU's share of the routed tokens that expert-parallel layouts of a MoE model assume."""
+    busiest GPU's share of the routed tokens that expert-parallel layouts of a MoE model assume. Unless
+    ``exhaustive``, a layout whose throughput ceiling is below the fastest layout found is not searched
+    (:func:`_search_all`)."""
     if global_batch is not None and global_batch < 1:
         raise UserError(f"--global-batch must be at least 1 (got {global_batch}).")
     if pipeline not in PIPELINE_SEARCH:
@@ -275,14 +283,16 @@ def plan(
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
-    outcomes = _search_all(search, chosen, jobs, on_progress)
-    if pipeline == "auto" and not any(o.fits for o in outcomes):
-        on_progress("nothing fits: adding pipeline-parallel layouts", 0, 0)
-        piped, piped_skipped = candidates(model, setup, gpus, cluster, offload, "only")
-        outcomes += _search_all(search, piped, jobs, on_progress)
-        skipped += piped_skipped
-    elif pipeline == "auto":
-        skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
+    with _collector_quiet():
+        outcomes, slower = _search_all(search, chosen, jobs, on_progress, exhaustive)
+        skipped += slower
+        if pipeline == "auto" and not any(o.fits for o in outcomes):
+            on_progress("nothing fits: adding pipeline-parallel layouts", 0, 0)
+            piped, piped_skipped = candidates(model, setup, gpus, cluster, offload, "only")
+            outcomes += _search_all(search, piped, jobs, on_progress, exhaustive)[0]
+            skipped += piped_skipped
+        elif pipeline == "auto":
+            skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
     failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
     result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
@@ -293,38 +303,117 @@ def plan(
 
 
 def _search_all(
+    search: _Search,
+    chosen: list[Candidate],
+    jobs: int,
+    on_progress: Callable[[str, int, int], None],
+    exhaustive: bool,
+) -> tuple[list[Outcome], list[str]]:
+    """Each candidate's outcome, and the candidates not searched, with why.
+
+    Unless ``exhaustive``, the search runs in two rounds: first the candidates whose throughput ceiling
+    (:meth:`_Search.ceiling`) is within ``FIRST_ROUND`` of the highest, and those without one; then the others,
+    but only those whose ceiling is above the fastest layout found (by ``AS_FAST_WITHIN``): no micro-batch can
+    make the rest as fast (with both checkpointing modes searched, typically every layout that recomputes its
+    forward, where one that does not fits)."""
+    ceilings = {} if exhaustive else _ceilings(search, chosen, jobs, on_progress)
+    top = max(ceilings.values(), default=0.0)
+    later = [c for c in chosen if ceilings.get(c, top) < FIRST_ROUND * top]
+    outcomes = _search_candidates(search, [c for c in chosen if c not in later], jobs, on_progress)
+    best = max((o.tokens_per_second for o in outcomes if o.fits), default=None)
+    if best is None:
+        return outcomes + _search_candidates(search, later, jobs, on_progress), []
+    slower = [c for c in later if ceilings[c] * (1 + AS_FAST_WITHIN) < best]
+    outcomes += _search_candidates(search, [c for c in later if c not in slower], jobs, on_progress)
+    return outcomes, _not_searched(slower, ceilings, best)
+
+
+def _ceilings(
+    search: _Search, chosen: list[Candidate], jobs: int, on_progress: Callable[[str, int, int], None]
+) -> dict[Candidate, float]:
+    """The throughput ceiling of each candidate that has one, from its step's line: every candidate's steps at the
+    line's batch sizes are traced first (those of the candidates searched later too: they are needed for the
+    ceilings, and the accumulating steps among them are derived while the other processes trace)."""
+    needed = [(source, batch) for c in chosen for source, batch in search.traces_needed(c) if batch in LINE_BATCHES]
+    _trace(search, needed, jobs, on_progress)
+    ceilings = {c: search.ceiling(c) for c in chosen if _has_ceiling(c.layout)}
+    return {c: ceiling for c, ceiling in ceilings.items() if ceiling is not None}
+
+
+def _has_ceiling(layout: Layout) -> bool:
+    """Whether the layout runs its traced step's ops (data and tensor parallelism), rather than a pipeline
+    stage's, a context-parallel rank's share of each sequence or an expert-parallel rank's experts."""
+    return layout.pp == layout.cp == layout.ep == 1
+
+
+def _not_searched(slower: list[Candidate], ceilings: dict[Candidate, float], best: float) -> list[str]:
+    """One line per checkpointing mode: how many candidates were left out, and their ceilings."""
+    modes: dict[str | None, list[float]] = {}
+    for candidate in slower:
+        modes.setdefault(candidate.checkpointing, []).append(ceilings[candidate])
+    lines = []
+    for checkpointing, values in modes.items():
+        count = f"{len(values)} layout{'s' if len(values) > 1 else ''}"
+        mode = f" with {checkpointing} checkpointing" if checkpointing else ""
+        low, high = f"{min(values):,.0f}", f"{max(values):,.0f}"
+        ceiling = high if low == high else f"{low} to {high}"
+        lines.append(
+            f"{count}{mode}: at most {ceiling} tokens/s with every op at its roofline, below the {best:,.0f} of "
+            "the fastest layout found (--exhaustive searches them)"
+        )
+    return lines
+
+
+def _search_candidates(
     search: _Search, chosen: list[Candidate], jobs: int, on_progress: Callable[[str, int, int], None]
 ) -> list[Outcome]:
     """Each candidate's outcome, the steps it reads traced first."""
-    needed = list(dict.fromkeys(pair for candidate in chosen for pair in search.traces_needed(candidate)))
+    if not chosen:
+        return []
+    _trace(search, [pair for candidate in chosen for pair in search.traces_needed(candidate)], jobs, on_progress)
+    outcomes: list[Outcome | None] = [None] * len(chosen)
+    searched = _in_processes(
+        lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
+    )
+    on_progress("largest micro-batch of each layout", 0, len(chosen))
+    for done, (index, outcome) in enumerate(searched):
+        outcomes[index] = outcome
+        on_progress("largest micro-batch of each layout", done + 1, len(chosen))
+    return outcomes
+
+
+def _trace(
+    search: _Search,
+    needed: list[tuple[StepSource, int]],
+    jobs: int,
+    on_progress: Callable[[str, int, int], None],
+) -> None:
+    """Make the traces ``needed`` lacks: the plain steps' in ``jobs`` processes, and each accumulating step's
+    derived from its plain step's trace in this one, while the other processes trace."""
+    needed = [(source, batch) for source, batch in dict.fromkeys(needed) if not source.has_trace(batch)]
     pairs = list(dict.fromkeys(source.traced_from(batch) for source, batch in needed))
+    pairs = [(source, batch) for source, batch in pairs if not source.has_trace(batch)]
     # the longest first (more micro-steps, then more sequences), so that no process is left with one at the end
     pairs.sort(key=lambda pair: (traced_micro_steps(pair[0].setup), pair[1]), reverse=True)
+    derived: dict[tuple[StepSource, int], list[StepSource]] = {}  # a plain trace -> the sources derived from it
+    for source, batch in needed:
+        origin = source.traced_from(batch)
+        if origin != (source, batch):
+            derived.setdefault(origin, []).append(source)
     tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
-    outcomes: list[Outcome | None] = [None] * len(chosen)
-    with _collector_quiet():
+    if pairs:
         on_progress(tracing, 0, len(pairs))
-        derived: dict[tuple[StepSource, int], list[StepSource]] = {}  # a plain trace -> the sources derived from it
-        for source, batch in needed:
-            origin = source.traced_from(batch)
-            if origin != (source, batch):
-                derived.setdefault(origin, []).append(source)
-        traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
-        for done, (index, trace) in enumerate(traced):
-            source, batch = pairs[index]
-            source.add_trace(batch, trace)
-            for accumulating in derived.get((source, batch), ()):  # while the other processes trace
-                accumulating.trace(batch)
-            on_progress(tracing, done + 1, len(pairs))
-        gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
-        searched = _in_processes(
-            lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
-        )
-        on_progress("largest micro-batch of each layout", 0, len(chosen))
-        for done, (index, outcome) in enumerate(searched):
-            outcomes[index] = outcome
-            on_progress("largest micro-batch of each layout", done + 1, len(chosen))
-    return outcomes
+    traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
+    for done, (index, trace) in enumerate(traced):
+        source, batch = pairs[index]
+        source.add_trace(batch, trace)
+        for accumulating in derived.pop((source, batch), ()):  # while the other processes trace
+            accumulating.trace(batch)
+        on_progress(tracing, done + 1, len(pairs))
+    for (_, batch), sources in derived.items():  # from plain traces made before
+        for accumulating in sources:
+            accumulating.trace(batch)
+    gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
 
 
 def _suggestions(search: _Search, gpus: int) -> list[str]:
@@ -363,6 +452,7 @@ class _Search:
     global_batch: int | None
     compute_dtype: str
     sources: dict[TrainingSetup, StepSource] = field(default_factory=dict)
+    _rooflines: dict[StepSource, float | None] = field(default_factory=dict)  # seconds per sequence
 
     def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
         return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
@@ -371,10 +461,9 @@ class _Search:
         """The traces the candidate's search reads, made before it (in parallel, once for all workers): its step's
         at batch sizes 2 and 3, and when a global batch leaves its ranks more than one sequence, the accumulating
         step's at 1, 2 and 3 (the whole per-rank batch rarely fits at once)."""
-        setup = self.candidate_setup(candidate)
-        needed = [(self.layout_estimate(setup, candidate.layout).source, batch) for batch in (2, 3)]
+        needed = [(self.source(candidate), batch) for batch in LINE_BATCHES]
         if (self.per_rank_batch(candidate.layout) or 1) > 1 and _accumulates(candidate.layout):
-            accumulating = self.accumulating_estimate(setup, candidate.layout).source
+            accumulating = self.accumulating_estimate(self.candidate_setup(candidate), candidate.layout).source
             needed += [(accumulating, batch) for batch in (1, 2, 3)]
         return needed
 
@@ -386,6 +475,28 @@ class _Search:
         if prepared.tensor is not None:  # pipelines of any stages and microbatches cut theirs from the slice
             return id(estimate.source), prepared.tensor_slice_key(Rank())
         return (id(estimate.source), prepared.model_parallel_key(Rank())) if prepared.splits_the_model else None
+
+    def source(self, candidate: Candidate) -> StepSource:
+        """The source of the candidate's single-GPU step (without accumulation)."""
+        return self.layout_estimate(self.candidate_setup(candidate), candidate.layout).source
+
+    def ceiling(self, candidate: Candidate) -> float | None:
+        """Tokens per second that no micro-batch or accumulation of the candidate can exceed: every GPU running
+        its share of the step's forward and backward ops at their roofline, without the optimizer's step or any
+        communication (None where the step's batch sizes are not on a line)."""
+        source = self.source(candidate)
+        if source not in self._rooflines:
+            line = source.line()
+            self._rooflines[source] = (
+                None
+                if line is None
+                else roofline_seconds_per_sequence(line.one, line.two, self.cluster.gpu, self.compute_dtype)
+            )
+        per_sequence = self._rooflines[source]
+        if not per_sequence:
+            return None
+        layout = candidate.layout
+        return layout.dp * layout.tp * self.setup.seq_len / per_sequence
 
     def per_rank_batch(self, layout: Layout) -> int | None:
         """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it

@@ -6,7 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from analysis.plan import Outcome, Plan
+from analysis.plan import AS_FAST_WITHIN, Outcome, Plan
 from analysis.steptime import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, NETWORK_EFFICIENCY
 from tracer.units import GIB, format_bytes
 
@@ -129,8 +129,8 @@ def _recommendation(plan: Plan) -> list[str]:
         else:
             lines.append(f"  {name} fits micro-batch {ddp.micro_batch} but is {_slower(ddp, best):.0%} slower.")
     runner_up = next((o for o in plan.outcomes[1:] if o.fits and o is not ddp), None)
-    if runner_up is not None and _slower(runner_up, best) < 0.01:
-        lines.append(f"  {runner_up.candidate.describe()} is as fast within 1%.")
+    if runner_up is not None and _slower(runner_up, best) < AS_FAST_WITHIN:
+        lines.append(f"  {runner_up.candidate.describe()} is as fast within {AS_FAST_WITHIN:.0%}.")
     elif runner_up is not None:
         lines.append(
             f"  {runner_up.candidate.describe()} is {_slower(runner_up, best):.0%} slower: {_why(runner_up, best)}."

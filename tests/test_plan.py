@@ -15,7 +15,7 @@ from analysis.budget import MemoryBudget
 from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
-from analysis.plan import Candidate, _in_processes, _largest_fitting, candidates, plan
+from analysis.plan import AS_FAST_WITHIN, Candidate, _in_processes, _largest_fitting, _Search, candidates, plan
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from analysis.sweep import run_sweep
@@ -24,6 +24,7 @@ from tracer import tracing
 from tracer.gpus import CUDA_CONTEXT_BYTES, find_gpu
 from tracer.gradient_sums import as_run
 from tracer.graph import build_graph
+from tracer.roles import Phase
 from tracer.tracing import trace_step
 from tracer.training import TrainingSetup
 
@@ -239,13 +240,59 @@ def test_nothing_fits_names_a_change_that_would():
 
 def test_candidates_cover_data_and_tensor_parallel_with_and_without_checkpointing():
     model = tiny_model("llama")
-    result = plan(model, SETUP, 4, Cluster(find_gpu("h100")), MemoryBudget(find_gpu("h100").memory_bytes))
+    gpu = find_gpu("h100")
+    result = plan(model, SETUP, 4, Cluster(gpu), MemoryBudget(gpu.memory_bytes), exhaustive=True)
     seen = {o.candidate for o in result.outcomes}
     assert Candidate(Layout(gpus=4), None) in seen and Candidate(Layout(gpus=4), "full") in seen
     assert Candidate(Layout(gpus=4, tp=4), None) not in seen  # 2 key/value heads
     assert any("tensor parallel 4" in reason for reason in result.skipped)
     assert Candidate(Layout(gpus=4, tp=2, zero=3), None) in seen
     assert Candidate(Layout(gpus=4, zero=3, engine="deepspeed", offload="optimizer,params"), "full") in seen
+
+
+@pytest.mark.parametrize("global_batch", [None, 64])
+def test_layouts_left_unsearched_are_slower_than_the_best(global_batch):
+    """Every layout's throughput is at most its ceiling (its ops at their roofline), across data and tensor
+    parallelism, checkpointing and offloading, so the layouts the default search leaves out could not have been
+    as fast as the best; the ones it searches come out as the exhaustive search finds them."""
+    model, gpu = tiny_model("llama"), find_gpu("h100")
+    cluster, budget = Cluster(gpu), MemoryBudget(gpu.memory_bytes)
+    every = plan(model, SETUP, 4, cluster, budget, global_batch, exhaustive=True)
+    default = plan(model, SETUP, 4, cluster, budget, global_batch)
+    search = _Search(model, SETUP, cluster, budget, global_batch, "bfloat16")
+    for outcome in every.outcomes:
+        ceiling = search.ceiling(outcome.candidate)
+        assert ceiling is not None and outcome.tokens_per_second <= ceiling, outcome.candidate.describe()
+    found = {o.candidate: o for o in default.outcomes}
+    assert default.best.candidate == every.best.candidate
+    left_out = [o for o in every.outcomes if o.candidate not in found]
+    assert left_out and any("--exhaustive" in reason for reason in default.skipped)
+    for outcome in left_out:
+        assert outcome.tokens_per_second * (1 + AS_FAST_WITHIN) < every.best.tokens_per_second
+    for outcome in every.outcomes:
+        if outcome.candidate in found:
+            same = found[outcome.candidate]
+            assert (same.micro_batch, same.accumulation, same.needed_bytes, same.tokens_per_second) == (
+                outcome.micro_batch,
+                outcome.accumulation,
+                outcome.needed_bytes,
+                outcome.tokens_per_second,
+            )
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe"])
+@pytest.mark.parametrize("checkpointing", [None, "full"])
+def test_each_op_grows_by_a_part_per_sequence(family, checkpointing):
+    """What the ceiling rests on: every forward and backward op's FLOPs and bytes are a part that does not grow
+    with the batch, never negative, plus a part per sequence (the line through batches 2 and 3 meets batch 0 at or
+    above 0)."""
+    setup = dataclasses.replace(SETUP, grad_checkpointing=checkpointing)
+    source = StepSource(tiny_model(family), setup, lines=True)
+    line = source.line()
+    for one, two in zip(line.one.ops, line.two.ops, strict=True):
+        if one.phase in (Phase.FORWARD, Phase.BACKWARD):
+            assert one.flops >= 2 * (two.flops - one.flops), one.target
+            assert one.bytes_moved >= 2 * (two.bytes_moved - one.bytes_moved), one.target
 
 
 def test_search_processes_keep_groups_together_and_raise_failures():
