@@ -331,19 +331,10 @@ def _search_all(
 def _ceilings(
     search: _Search, chosen: list[Candidate], jobs: int, on_progress: Callable[[str, int, int], None]
 ) -> dict[Candidate, float]:
-    """The throughput ceiling of each candidate that has one, from its step's line: every candidate's steps at the
-    line's batch sizes are traced first (those of the candidates searched later too: they are needed for the
-    ceilings, and the accumulating steps among them are derived while the other processes trace)."""
-    needed = [(source, batch) for c in chosen for source, batch in search.traces_needed(c) if batch in LINE_BATCHES]
-    _trace(search, needed, jobs, on_progress)
-    ceilings = {c: search.ceiling(c) for c in chosen if _has_ceiling(c.layout)}
+    """The throughput ceiling of each candidate that has one, from its step's line, traced for it."""
+    _trace([(search.source(c), batch) for c in chosen for batch in LINE_BATCHES], jobs, on_progress)
+    ceilings = {c: search.ceiling(c) for c in chosen}
     return {c: ceiling for c, ceiling in ceilings.items() if ceiling is not None}
-
-
-def _has_ceiling(layout: Layout) -> bool:
-    """Whether the layout runs its traced step's ops (data and tensor parallelism), rather than a pipeline
-    stage's, a context-parallel rank's share of each sequence or an expert-parallel rank's experts."""
-    return layout.pp == layout.cp == layout.ep == 1
 
 
 def _not_searched(slower: list[Candidate], ceilings: dict[Candidate, float], best: float) -> list[str]:
@@ -370,7 +361,7 @@ def _search_candidates(
     """Each candidate's outcome, the steps it reads traced first."""
     if not chosen:
         return []
-    _trace(search, [pair for candidate in chosen for pair in search.traces_needed(candidate)], jobs, on_progress)
+    _trace([pair for candidate in chosen for pair in search.traces_needed(candidate)], jobs, on_progress)
     outcomes: list[Outcome | None] = [None] * len(chosen)
     searched = _in_processes(
         lambda index: _search(search, chosen[index]), len(chosen), jobs, lambda index: search.shares(chosen[index])
@@ -382,14 +373,10 @@ def _search_candidates(
     return outcomes
 
 
-def _trace(
-    search: _Search,
-    needed: list[tuple[StepSource, int]],
-    jobs: int,
-    on_progress: Callable[[str, int, int], None],
-) -> None:
+def _trace(needed: list[tuple[StepSource, int]], jobs: int, on_progress: Callable[[str, int, int], None]) -> None:
     """Make the traces ``needed`` lacks: the plain steps' in ``jobs`` processes, and each accumulating step's
-    derived from its plain step's trace in this one, while the other processes trace."""
+    derived from its plain step's trace in this one while they trace (as each plain trace arrives, or at once
+    where it was made before)."""
     needed = [(source, batch) for source, batch in dict.fromkeys(needed) if not source.has_trace(batch)]
     pairs = list(dict.fromkeys(source.traced_from(batch) for source, batch in needed))
     pairs = [(source, batch) for source, batch in pairs if not source.has_trace(batch)]
@@ -403,16 +390,22 @@ def _trace(
     tracing = f"{len(pairs)} traces of {len({source for source, _ in pairs})} distinct steps"
     if pairs:
         on_progress(tracing, 0, len(pairs))
-    traced = _in_processes(lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs)
+    made_before = [(origin, derived[origin]) for origin in derived if origin[0].has_trace(origin[1])]
+
+    def derive_from_traces_made_before() -> None:
+        for (_, batch), sources in made_before:
+            for accumulating in sources:
+                accumulating.trace(batch)
+
+    traced = _in_processes(
+        lambda index: pairs[index][0].trace(pairs[index][1]), len(pairs), jobs, meanwhile=derive_from_traces_made_before
+    )
     for done, (index, trace) in enumerate(traced):
         source, batch = pairs[index]
         source.add_trace(batch, trace)
-        for accumulating in derived.pop((source, batch), ()):  # while the other processes trace
+        for accumulating in derived.get((source, batch), ()):  # while the other processes trace
             accumulating.trace(batch)
         on_progress(tracing, done + 1, len(pairs))
-    for (_, batch), sources in derived.items():  # from plain traces made before
-        for accumulating in sources:
-            accumulating.trace(batch)
     gc.freeze()  # the traces: every layout makes and drops steps, and no collection need walk them again
 
 
@@ -481,9 +474,11 @@ class _Search:
         return self.layout_estimate(self.candidate_setup(candidate), candidate.layout).source
 
     def ceiling(self, candidate: Candidate) -> float | None:
-        """Tokens per second that no micro-batch or accumulation of the candidate can exceed: every GPU running
-        its share of the step's forward and backward ops at their roofline, without the optimizer's step or any
-        communication (None where the step's batch sizes are not on a line)."""
+        """Tokens per second that no micro-batch, accumulation or pipeline schedule of the candidate can exceed:
+        every GPU running its share of its rank's traced step's forward and backward ops at their roofline, without
+        the optimizer's step, any communication or a pipeline's bubble (None where the step's batch sizes are not
+        on a line). A pipeline's stages share out the step's ops, so its busiest rank runs at least a ``pp``-th of
+        them for every sequence of its pipeline."""
         source = self.source(candidate)
         if source not in self._rooflines:
             line = source.line()
@@ -496,7 +491,7 @@ class _Search:
         if not per_sequence:
             return None
         layout = candidate.layout
-        return layout.dp * layout.tp * self.setup.seq_len / per_sequence
+        return layout.dp * layout.tp * layout.pp * self.setup.seq_len / per_sequence
 
     def per_rank_batch(self, layout: Layout) -> int | None:
         """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it
@@ -550,19 +545,22 @@ def _collector_quiet() -> Iterator[None]:
 
 
 def _in_processes(
-    work: Callable[[int], T], count: int, jobs: int, together: Callable[[int], Hashable | None] = lambda index: None
+    work: Callable[[int], T],
+    count: int,
+    jobs: int,
+    together: Callable[[int], Hashable | None] = lambda index: None,
+    meanwhile: Callable[[], None] = lambda: None,
 ) -> Iterator[tuple[int, T]]:
     """``(index, work(index))`` for every index below ``count``, in the order they finish, computed by up to
     ``jobs`` forked processes, which inherit everything ``work`` reads (the traces); only results travel back.
+    ``meanwhile`` runs here once they have started (before the work, without them).
 
     Indices with the same ``together`` key (None: none) run in one process, one after another: they share what the
     first of them builds (a tensor-parallel slice of a step), which another process would build again. Each process
     takes the next group when it is done with one, the largest groups first."""
-    if jobs <= 1 or count < 1 or "fork" not in multiprocessing.get_all_start_methods():
-        yield from ((index, work(index)) for index in range(count))
-        return
-    context = multiprocessing.get_context("fork")
-    if not _autograd_forks(context):
+    context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    if jobs <= 1 or count < 1 or context is None or not _autograd_forks(context):
+        meanwhile()
         yield from ((index, work(index)) for index in range(count))
         return
     groups: dict[Hashable, list[int]] = {}
@@ -580,6 +578,7 @@ def _in_processes(
     try:
         for worker in workers:
             worker.start()
+        meanwhile()
         for _ in range(count):
             index, failure, result = _next_result(results, workers)
             if failure is not None:

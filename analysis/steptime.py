@@ -261,21 +261,28 @@ def _ops_seconds(ops: list[Op], gpu: Gpu, compute_dtype: str) -> float:
 
 
 def roofline_seconds_per_sequence(one: StepGraph, two: StepGraph, gpu: Gpu, compute_dtype: str) -> float:
-    """A floor under the compute seconds per sequence of any data- or tensor-parallel layout running this step, at
-    any micro-batch and accumulation, on one GPU's share (tensor parallelism divides it): the forward and backward
-    ops' roofline, each op at what it gains per sequence (``one`` and ``two``: the step at consecutive batch sizes).
+    """A floor under the compute seconds per sequence of any layout whose ranks run this step, at any micro-batch
+    and accumulation: the forward and backward ops' roofline, each op at what it gains per sequence (``one`` and
+    ``two``: the step at consecutive batch sizes), of its cheapest micro-step where it traces several; tensor
+    parallelism divides it, a pipeline's stages share it out.
 
     Each op's FLOPs and bytes are a part every micro-step repeats (the weights it reads), at least 0, plus a part
     per sequence; a layout's rewrite of the step adds ops and changes none (strategies/rewrite.py), and each
-    accumulated micro-step runs the same ops again. So :func:`step_time`, whose compute is those ops' roofline
-    over every micro-step, is at least this times the sequences per GPU (tests/test_plan.py checks both claims)."""
+    accumulated micro-step or microbatch runs the same ops again. So :func:`step_time` and
+    :func:`pipeline_step_time`, whose compute is those ops' roofline over every micro-step, are at least this times
+    the sequences per GPU (tests/test_plan.py checks both claims)."""
     flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
     bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
-    return sum(
-        max((b.flops - a.flops) / flops_per_second, (b.bytes_moved - a.bytes_moved) / bytes_per_second)
-        for a, b in zip(one.ops, two.ops, strict=True)
-        if a.phase in (Phase.FORWARD, Phase.BACKWARD)
-    )
+
+    def per_sequence(ops: range) -> float:
+        return sum(
+            max((b.flops - a.flops) / flops_per_second, (b.bytes_moved - a.bytes_moved) / bytes_per_second)
+            for a, b in zip(one.ops[ops.start : ops.stop], two.ops[ops.start : ops.stop], strict=True)
+            if a.phase in (Phase.FORWARD, Phase.BACKWARD)
+        )
+
+    # a step of accumulating micro-steps (whose passes a pipeline's microbatches run) traces each: the cheapest counts
+    return min(per_sequence(ops) for ops in one.micro_steps())
 
 
 def _optimizer_bytes(step: StepGraph) -> int:

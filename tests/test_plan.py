@@ -280,6 +280,49 @@ def test_layouts_left_unsearched_are_slower_than_the_best(global_batch):
             )
 
 
+@pytest.mark.parametrize(
+    ("family", "overrides", "flags", "gpus", "memory_mib", "global_batch", "plan_options"),
+    [
+        pytest.param(
+            "llama",
+            {"num_hidden_layers": 4},
+            {},
+            4,
+            624,
+            16,
+            {"pipeline": "on"},
+            id="pipelines",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            "llama",
+            {"num_hidden_layers": 2, "max_position_embeddings": 16384},
+            {"seq_len": 16384, "grad_checkpointing": "full"},
+            4,
+            7792,
+            None,
+            {"pipeline": "off"},
+            id="context-parallel",
+        ),
+        pytest.param(
+            "qwen3_moe", {}, {"grad_checkpointing": "full"}, 2, 160, None, {"routing_imbalance": 1.5}, id="experts"
+        ),
+    ],
+)
+def test_no_layout_beats_its_ceiling(family, overrides, flags, gpus, memory_mib, global_batch, plan_options):
+    """Pipelines (their stages share the step's ops out), context-parallel ranks and expert-parallel ranks (steps
+    of their own) stay under the ceiling too, so the default search may leave any of them out."""
+    model, setup = tiny_model(family, **overrides), dataclasses.replace(SETUP, **flags)
+    gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(memory_mib * MIB))
+    cluster, budget = Cluster(gpu), MemoryBudget(gpu.memory_bytes)
+    result = plan(model, setup, gpus, cluster, budget, global_batch, offload=False, exhaustive=True, **plan_options)
+    search = _Search(model, setup, cluster, budget, global_batch, "bfloat16")
+    fitting = [o for o in result.outcomes if o.fits]
+    assert any(o.candidate.layout.pp * o.candidate.layout.cp * o.candidate.layout.ep > 1 for o in fitting)
+    for outcome in fitting:
+        assert outcome.tokens_per_second <= search.ceiling(outcome.candidate), outcome.candidate.describe()
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3_moe"])
 @pytest.mark.parametrize("checkpointing", [None, "full"])
 def test_each_op_grows_by_a_part_per_sequence(family, checkpointing):
@@ -398,7 +441,7 @@ def test_pipeline_layouts_are_planned_with_their_bubble():
     model = tiny_model("llama", num_hidden_layers=4)
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(624 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
-    result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=16, offload=False, pipeline="on")
+    result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=16, offload=False, pipeline="on", exhaustive=True)
     piped = [o for o in result.outcomes if o.candidate.layout.pp > 1 and o.fits]
     assert {o.candidate.layout.pp_schedule for o in piped} == {"1f1b", "interleaved-1f1b"}
     for outcome in piped:
@@ -445,7 +488,7 @@ def test_long_sequences_are_planned_with_context_parallelism():
     setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(7792 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
-    result = plan(model, setup, 4, Cluster(gpu), budget, offload=False, pipeline="off")
+    result = plan(model, setup, 4, Cluster(gpu), budget, offload=False, pipeline="off", exhaustive=True)
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.fits]
     assert {(o.candidate.layout.cp, o.candidate.layout.tp) for o in ringed} == {(2, 1), (4, 1), (2, 2)}
     for outcome in ringed:
@@ -463,7 +506,7 @@ def test_long_sequences_are_pipelined_with_context_parallelism():
     setup = dataclasses.replace(SETUP, seq_len=16384, grad_checkpointing="full")
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(7792 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
-    result = plan(model, setup, 4, Cluster(gpu), budget, global_batch=4, offload=False, pipeline="on")
+    result = plan(model, setup, 4, Cluster(gpu), budget, global_batch=4, offload=False, pipeline="on", exhaustive=True)
     ringed = [o for o in result.outcomes if o.candidate.layout.cp > 1 and o.candidate.layout.pp > 1]
     assert {(o.candidate.layout.cp, o.candidate.layout.pp_schedule) for o in ringed} == {
         (2, "1f1b"),
@@ -484,7 +527,7 @@ def test_moe_models_are_planned_with_expert_parallelism():
     setup = dataclasses.replace(SETUP, grad_checkpointing="full")
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(160 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
-    result = plan(model, setup, 2, Cluster(gpu), budget, offload=False, routing_imbalance=1.5)
+    result = plan(model, setup, 2, Cluster(gpu), budget, offload=False, routing_imbalance=1.5, exhaustive=True)
     expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
     assert {(o.candidate.layout.ep, o.candidate.layout.zero) for o in expert_parallel} == {(2, 0), (2, 2), (2, 3)}
     for outcome in expert_parallel:
@@ -505,7 +548,8 @@ def test_expert_parallel_layouts_run_the_per_rank_batch_whole():
     model = tiny_model("qwen3_moe")
     setup = dataclasses.replace(SETUP, grad_checkpointing="full")
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(112 * MIB))
-    result = plan(model, setup, 2, Cluster(gpu), MemoryBudget(gpu.memory_bytes), global_batch=512, offload=False)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, setup, 2, Cluster(gpu), budget, global_batch=512, offload=False, exhaustive=True)
     expert_parallel = [o for o in result.outcomes if o.candidate.layout.ep > 1]
     assert expert_parallel and all(not o.fits and o.needed_at == 256 and o.notes for o in expert_parallel)
     assert any(o.fits and o.accumulation > 1 for o in result.outcomes)
