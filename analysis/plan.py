@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import multiprocessing
 import os
 import pickle
@@ -29,9 +30,16 @@ from analysis.budget import MemoryBudget
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
-from analysis.steptime import Cluster, StepTime, pipeline_step_time, roofline_seconds_per_sequence, step_time
+from analysis.steptime import (
+    Cluster,
+    StepTime,
+    block_roofline_seconds_per_sequence,
+    pipeline_step_time,
+    roofline_seconds_per_sequence,
+    step_time,
+)
 from strategies.layout import Layout, Rank, prepare
-from strategies.pipeline import schedule_takes
+from strategies.pipeline import layer_split, rank_stages, schedule_takes
 from strategies.tensor_parallel import TensorParallel
 from tracer.errors import UserError
 from tracer.expert_parallel import routed_experts
@@ -50,9 +58,10 @@ MAX_PIPELINE_STAGES = 8
 CONTEXT_PARALLEL_FROM = 16_384
 MAX_CONTEXT_PARALLEL = 8
 MICROBATCHES_PER_STAGE = 2
-# Layouts searched first: those whose throughput ceiling is within this share of the highest (the layouts that do
-# not recompute their forward, where some do); the others only where their ceiling beats the fastest of those.
-FIRST_ROUND = 0.9
+# Layouts searched in a round: those whose throughput ceiling is within this share of the highest left (at first, the
+# layouts that do not recompute their forward, where some do); once one fits, the others only where their ceiling
+# beats the fastest found.
+CEILING_ROUND = 0.9
 AS_FAST_WITHIN = 0.01  # a layout this much slower than the fastest (a share of its tokens/s) is as fast
 LINE_BATCHES = (StepSource.LINE_FIRST, StepSource.LINE_FIRST + 1)
 T = TypeVar("T")
@@ -311,20 +320,26 @@ def _search_all(
 ) -> tuple[list[Outcome], list[str]]:
     """Each candidate's outcome, and the candidates not searched, with why.
 
-    Unless ``exhaustive``, the search runs in two rounds: first the candidates whose throughput ceiling
-    (:meth:`_Search.ceiling`) is within ``FIRST_ROUND`` of the highest, and those without one; then the others,
-    but only those whose ceiling is above the fastest layout found (by ``AS_FAST_WITHIN``): no micro-batch can
-    make the rest as fast (with both checkpointing modes searched, typically every layout that recomputes its
-    forward, where one that does not fits)."""
+    Unless ``exhaustive``, the search runs in rounds by throughput ceiling (:meth:`_Search.ceiling`): each round the
+    candidates within ``CEILING_ROUND`` of the highest ceiling left (those without one first), until a layout fits;
+    then the rest, but only those whose ceiling is above the fastest layout found (by ``AS_FAST_WITHIN``): no
+    micro-batch can make the others as fast (with both checkpointing modes searched, typically every layout that
+    recomputes its forward, where one that does not fits)."""
     ceilings = {} if exhaustive else _ceilings(search, chosen, jobs, on_progress)
-    top = max(ceilings.values(), default=0.0)
-    later = [c for c in chosen if ceilings.get(c, top) < FIRST_ROUND * top]
-    outcomes = _search_candidates(search, [c for c in chosen if c not in later], jobs, on_progress)
-    best = max((o.tokens_per_second for o in outcomes if o.fits), default=None)
-    if best is None:
-        return outcomes + _search_candidates(search, later, jobs, on_progress), []
-    slower = [c for c in later if ceilings[c] * (1 + AS_FAST_WITHIN) < best]
-    outcomes += _search_candidates(search, [c for c in later if c not in slower], jobs, on_progress)
+    outcomes: list[Outcome] = []
+    slower: list[Candidate] = []
+    remaining = chosen
+    while remaining:
+        best = max((o.tokens_per_second for o in outcomes if o.fits), default=None)
+        if best is None:
+            top = max(ceilings.get(c, math.inf) for c in remaining)
+            searched = [c for c in remaining if ceilings.get(c, math.inf) >= CEILING_ROUND * top]
+        else:
+            slower = [c for c in remaining if c in ceilings and ceilings[c] * (1 + AS_FAST_WITHIN) < best]
+            searched = [c for c in remaining if c not in slower]
+        remaining = [c for c in remaining if c not in searched and c not in slower]
+        outcomes += _search_candidates(search, searched, jobs, on_progress)
+    best = max((o.tokens_per_second for o in outcomes if o.fits), default=0.0)
     return outcomes, _not_searched(slower, ceilings, best)
 
 
@@ -445,7 +460,8 @@ class _Search:
     global_batch: int | None
     compute_dtype: str
     sources: dict[TrainingSetup, StepSource] = field(default_factory=dict)
-    _rooflines: dict[StepSource, float | None] = field(default_factory=dict)  # seconds per sequence
+    _rooflines: dict[StepSource, float] = field(default_factory=dict)  # seconds per sequence
+    _block_rooflines: dict[StepSource, dict[str, float]] = field(default_factory=dict)  # the same, each block's
 
     def candidate_setup(self, candidate: Candidate) -> TrainingSetup:
         return dataclasses.replace(self.setup, grad_checkpointing=candidate.checkpointing, reentrant=False)
@@ -476,22 +492,53 @@ class _Search:
     def ceiling(self, candidate: Candidate) -> float | None:
         """Tokens per second that no micro-batch, accumulation or pipeline schedule of the candidate can exceed:
         every GPU running its share of its rank's traced step's forward and backward ops at their roofline, without
-        the optimizer's step, any communication or a pipeline's bubble (None where the step's batch sizes are not
-        on a line). A pipeline's stages share out the step's ops, so its busiest rank runs at least a ``pp``-th of
-        them for every sequence of its pipeline."""
+        the optimizer's step, any communication or idle time (None where the step's batch sizes are not on a line).
+        A pipeline's stages share out the step's ops, so its busiest rank runs at least a ``pp``-th of them for
+        every sequence of its pipeline; :meth:`_pipeline_ceiling` also counts its stages' layers and its bubble."""
         source = self.source(candidate)
+        line = source.line()
+        if line is None:
+            return None
         if source not in self._rooflines:
-            line = source.line()
-            self._rooflines[source] = (
-                None
-                if line is None
-                else roofline_seconds_per_sequence(line.one, line.two, self.cluster.gpu, self.compute_dtype)
+            self._rooflines[source] = roofline_seconds_per_sequence(
+                line.one, line.two, self.cluster.gpu, self.compute_dtype
             )
-        per_sequence = self._rooflines[source]
-        if not per_sequence:
+        if not self._rooflines[source]:
             return None
         layout = candidate.layout
-        return layout.dp * layout.tp * layout.pp * self.setup.seq_len / per_sequence
+        ceiling = layout.dp * layout.tp * layout.pp * self.setup.seq_len / self._rooflines[source]
+        return ceiling if layout.pp == 1 else min(ceiling, self._pipeline_ceiling(source, layout) or ceiling)
+
+    def _pipeline_ceiling(self, source: StepSource, layout: Layout) -> float | None:
+        """A pipeline's ceiling from the layers each of its ranks runs (its stages' blocks, at their roofline per
+        sequence; the embedding, the head and the parameter-free modules left out). A rank with one stage cannot
+        start before the first microbatch's forward has passed the stages before it, and its last backward, the
+        last microbatch's, still has to pass back through them, so the step takes at least the layers before it
+        once plus its own layers for every microbatch. That bound per sequence falls as the microbatches grow, and a
+        pipeline runs at most its per-replica batch of them (with a global batch; else as many as it likes). A rank
+        of an interleaved schedule counts its own layers only. None for a model without decoder blocks."""
+        line = source.line()
+        structure = line.one.structure
+        if source not in self._block_rooflines:
+            self._block_rooflines[source] = block_roofline_seconds_per_sequence(
+                line.one, line.two, self.cluster.gpu, self.compute_dtype
+            )
+        blocks = self._block_rooflines[source]
+        if not structure.blocks:
+            return None
+        stages = [
+            sum(blocks[structure.blocks[layer]] for layer in layers)
+            for layers in layer_split(len(structure.blocks), layout.pp * layout.stages_per_rank, layout.pp_split)
+        ]
+        microbatches = self.per_rank_batch(layout)
+        busiest = 0.0  # seconds per sequence of each microbatch
+        for rank in range(layout.pp):
+            own = rank_stages(layout.pp, rank, layout.stages_per_rank)
+            seconds = sum(stages[stage] for stage in own)
+            if microbatches is not None and layout.stages_per_rank == 1:
+                seconds += sum(stages[: own[0]]) / microbatches
+            busiest = max(busiest, seconds)
+        return layout.dp * layout.tp * self.setup.seq_len / busiest if busiest else None
 
     def per_rank_batch(self, layout: Layout) -> int | None:
         """Sequences of the global batch each data-parallel rank runs per step (None: no global batch, or it

@@ -33,6 +33,7 @@ from tracer.graph import (
     Collective,
     StepGraph,
 )
+from tracer.modules import enclosing_block
 from tracer.roles import Phase
 from tracer.trace import Op
 
@@ -271,18 +272,40 @@ def roofline_seconds_per_sequence(one: StepGraph, two: StepGraph, gpu: Gpu, comp
     accumulated micro-step or microbatch runs the same ops again. So :func:`step_time` and
     :func:`pipeline_step_time`, whose compute is those ops' roofline over every micro-step, are at least this times
     the sequences per GPU (tests/test_plan.py checks both claims)."""
+    seconds = _per_sequence_seconds(one, two, gpu, compute_dtype)
+    # a step of accumulating micro-steps (whose passes a pipeline's microbatches run) traces each: the cheapest counts
+    return min(sum(seconds[ops.start : ops.stop]) for ops in one.micro_steps())
+
+
+def block_roofline_seconds_per_sequence(
+    one: StepGraph, two: StepGraph, gpu: Gpu, compute_dtype: str
+) -> dict[str, float]:
+    """:func:`roofline_seconds_per_sequence` of each decoder block's ops (``structure.blocks``): what a pipeline
+    stage's pass over its layers takes at least, per sequence."""
+    seconds = _per_sequence_seconds(one, two, gpu, compute_dtype)
+    blocks = set(one.structure.blocks)
+    owner = {module: enclosing_block(module, blocks) for module in {op.module for op in one.ops}}
+    per_block: dict[str, float] = {}
+    for ops in one.micro_steps():
+        summed: dict[str, float] = dict.fromkeys(blocks, 0.0)
+        for op in one.ops[ops.start : ops.stop]:
+            if owner[op.module] is not None:
+                summed[owner[op.module]] += seconds[op.index]
+        per_block = {b: min(t, per_block.get(b, t)) for b, t in summed.items()}
+    return per_block
+
+
+def _per_sequence_seconds(one: StepGraph, two: StepGraph, gpu: Gpu, compute_dtype: str) -> list[float]:
+    """Each op's roofline seconds per sequence: what it gains from ``one`` to ``two`` (0 outside forward and
+    backward)."""
     flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
     bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
-
-    def per_sequence(ops: range) -> float:
-        return sum(
-            max((b.flops - a.flops) / flops_per_second, (b.bytes_moved - a.bytes_moved) / bytes_per_second)
-            for a, b in zip(one.ops[ops.start : ops.stop], two.ops[ops.start : ops.stop], strict=True)
-            if a.phase in (Phase.FORWARD, Phase.BACKWARD)
-        )
-
-    # a step of accumulating micro-steps (whose passes a pipeline's microbatches run) traces each: the cheapest counts
-    return min(per_sequence(ops) for ops in one.micro_steps())
+    return [
+        max((b.flops - a.flops) / flops_per_second, (b.bytes_moved - a.bytes_moved) / bytes_per_second)
+        if a.phase in (Phase.FORWARD, Phase.BACKWARD)
+        else 0.0
+        for a, b in zip(one.ops, two.ops, strict=True)
+    ]
 
 
 def _optimizer_bytes(step: StepGraph) -> int:
