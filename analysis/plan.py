@@ -5,7 +5,8 @@ Each distinct single-GPU step (with or without checkpointing, and the low-precis
 precision traces) is traced at batch sizes 2 and 3 and, when a layout needs it, 1; with a global batch that
 leaves a rank more than one sequence, so is its step of two accumulating micro-steps, before the search. Every
 other batch size is a point on the line through 2 and 3 (analysis/batch_line.py), for the traced step and for each
-rank's transformed step, so the batch search re-traces nothing.
+rank's transformed step, so the batch search re-traces nothing. A layout whose throughput ceiling (its ops at their
+roofline) is below the fastest layout found is listed rather than searched, unless the search is exhaustive.
 """
 
 from __future__ import annotations
@@ -486,7 +487,8 @@ class _Search:
         return (id(estimate.source), prepared.model_parallel_key(Rank())) if prepared.splits_the_model else None
 
     def source(self, candidate: Candidate) -> StepSource:
-        """The source of the candidate's single-GPU step (without accumulation)."""
+        """The source of the traced step the candidate's ranks are built from (a pipeline's: two accumulating
+        micro-steps, which its microbatches run)."""
         return self.layout_estimate(self.candidate_setup(candidate), candidate.layout).source
 
     def ceiling(self, candidate: Candidate) -> float | None:
