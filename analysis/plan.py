@@ -606,20 +606,26 @@ def _in_processes(
 
     Indices with the same ``together`` key (None: none) run in one process, one after another: they share what the
     first of them builds (a tensor-parallel slice of a step), which another process would build again. Each process
-    takes the next group when it is done with one, the largest groups first."""
+    takes the next group when it is done with one: the largest groups first, then the indices without a key."""
     context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
     if jobs <= 1 or count < 1 or context is None or not _autograd_forks(context):
         meanwhile()
         yield from ((index, work(index)) for index in range(count))
         return
-    groups: dict[Hashable, list[int]] = {}
+    shared: dict[Hashable, list[int]] = {}
+    alone: list[list[int]] = []
     for index in range(count):
         key = together(index)
-        groups.setdefault(("alone", index) if key is None else key, []).append(index)
+        if key is None:
+            alone.append([index])
+        else:
+            shared.setdefault(key, []).append(index)
     global _FORKED_WORK
     _FORKED_WORK = work
     tasks, results = context.SimpleQueue(), context.Queue()
-    for group in sorted(groups.values(), key=len, reverse=True):
+    # what a group shares costs its first index most (a tensor-parallel slice): every group before the lone indices
+    groups = sorted(shared.values(), key=len, reverse=True) + alone
+    for group in groups:
         tasks.put(group)
     workers = [context.Process(target=_run_forked, args=(tasks, results)) for _ in range(min(jobs, len(groups)))]
     for _ in workers:
