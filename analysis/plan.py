@@ -106,6 +106,8 @@ class Plan:
     outcomes: list[Outcome]  # fitting ones fastest first, then the rest
     skipped: list[str]  # layouts not considered, with why
     suggestions: list[str] = field(default_factory=list)  # when nothing fits
+    # layouts not searched, their throughput ceiling (tokens/s) below the best's: they cannot be as fast
+    slower: dict[Candidate, float] = field(default_factory=dict)
 
     @property
     def best(self) -> Outcome | None:
@@ -295,17 +297,18 @@ def plan(
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
     with _collector_quiet():
         outcomes, slower = _search_all(search, chosen, jobs, on_progress, exhaustive)
-        skipped += slower
         if pipeline == "auto" and not any(o.fits for o in outcomes):
             on_progress("nothing fits: adding pipeline-parallel layouts", 0, 0)
             piped, piped_skipped = candidates(model, setup, gpus, cluster, offload, "only")
-            outcomes += _search_all(search, piped, jobs, on_progress, exhaustive)[0]
+            piped_outcomes, piped_slower = _search_all(search, piped, jobs, on_progress, exhaustive)
+            outcomes += piped_outcomes
+            slower |= piped_slower
             skipped += piped_skipped
         elif pipeline == "auto":
             skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
     failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
-    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped)
+    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped, slower=slower)
     if not fitting:
         on_progress("nothing fits: looking for the smallest change that would", 0, 0)
         result.suggestions = _suggestions(search, gpus)
@@ -318,8 +321,8 @@ def _search_all(
     jobs: int,
     on_progress: Callable[[str, int, int], None],
     exhaustive: bool,
-) -> tuple[list[Outcome], list[str]]:
-    """Each candidate's outcome, and the candidates not searched, with why.
+) -> tuple[list[Outcome], dict[Candidate, float]]:
+    """Each candidate's outcome, and the candidates not searched, with their ceilings.
 
     Unless ``exhaustive``, the search runs in rounds by throughput ceiling (:meth:`_Search.ceiling`): each round the
     candidates within ``CEILING_ROUND`` of the highest ceiling left (those without one first), until a layout fits;
@@ -340,8 +343,7 @@ def _search_all(
             searched = [c for c in remaining if c not in slower]
         remaining = [c for c in remaining if c not in searched and c not in slower]
         outcomes += _search_candidates(search, searched, jobs, on_progress)
-    best = max((o.tokens_per_second for o in outcomes if o.fits), default=0.0)
-    return outcomes, _not_searched(slower, ceilings, best)
+    return outcomes, {c: ceilings[c] for c in slower}
 
 
 def _ceilings(
@@ -351,24 +353,6 @@ def _ceilings(
     _trace([(search.source(c), batch) for c in chosen for batch in LINE_BATCHES], jobs, on_progress)
     ceilings = {c: search.ceiling(c) for c in chosen}
     return {c: ceiling for c, ceiling in ceilings.items() if ceiling is not None}
-
-
-def _not_searched(slower: list[Candidate], ceilings: dict[Candidate, float], best: float) -> list[str]:
-    """One line per checkpointing mode: how many candidates were left out, and their ceilings."""
-    modes: dict[str | None, list[float]] = {}
-    for candidate in slower:
-        modes.setdefault(candidate.checkpointing, []).append(ceilings[candidate])
-    lines = []
-    for checkpointing, values in modes.items():
-        count = f"{len(values)} layout{'s' if len(values) > 1 else ''}"
-        mode = f" with {checkpointing} checkpointing" if checkpointing else ""
-        low, high = f"{min(values):,.0f}", f"{max(values):,.0f}"
-        ceiling = high if low == high else f"{low} to {high}"
-        lines.append(
-            f"{count}{mode}: at most {ceiling} tokens/s with every op at its roofline, below the {best:,.0f} of "
-            "the fastest layout found (--exhaustive searches them)"
-        )
-    return lines
 
 
 def _search_candidates(

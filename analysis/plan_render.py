@@ -46,9 +46,28 @@ def render_plan(plan: Plan) -> str:
         f"{gpu.interconnect} ({plan.cluster.gpus_per_node} GPUs per node, {plan.cluster.internode_gbps:g} GB/s "
         "between nodes), overlapped as each runtime overlaps them (docs/how-it-works.md: the step-time model).",
     ]
-    if plan.skipped:
-        lines += ["Not considered:", *(f"  {reason}" for reason in plan.skipped)]
+    not_considered = [*_left_out(plan), *plan.skipped]
+    if not_considered:
+        lines += ["Not considered:", *(f"  {reason}" for reason in not_considered)]
     return "\n".join(lines)
+
+
+def _left_out(plan: Plan) -> list[str]:
+    """The layouts left out by their ceilings, one line per checkpointing mode."""
+    modes: dict[str | None, list[float]] = {}
+    for candidate, ceiling in plan.slower.items():
+        modes.setdefault(candidate.checkpointing, []).append(ceiling)
+    lines = []
+    for checkpointing, ceilings in modes.items():
+        count = f"{len(ceilings)} layout{'s' if len(ceilings) > 1 else ''}"
+        mode = f" with {checkpointing} checkpointing" if checkpointing else ""
+        low, high = f"{min(ceilings):,.0f}", f"{max(ceilings):,.0f}"
+        span = high if low == high else f"{low} to {high}"
+        lines.append(
+            f"{count}{mode}: at most {span} tokens/s with every op at its roofline, below the "
+            f"{plan.best.tokens_per_second:,.0f} of the fastest layout found (--exhaustive searches them)"
+        )
+    return lines
 
 
 def _routing(plan: Plan) -> list[str]:
@@ -187,6 +206,15 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "recommended": _outcome_json(plan.best) if plan.best else None,
         "candidates": [_outcome_json(outcome) for outcome in plan.outcomes],
         "not_considered": plan.skipped,
+        "slower": [
+            {
+                "layout": candidate.layout.to_json(),
+                "checkpointing": candidate.checkpointing,
+                "description": candidate.describe(),
+                "ceiling_tokens_per_second": ceiling,
+            }
+            for candidate, ceiling in plan.slower.items()
+        ],
         "suggestions": plan.suggestions,
     }
 

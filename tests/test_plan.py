@@ -16,6 +16,7 @@ from analysis.cli import main
 from analysis.estimate import LayoutEstimate, StepSource, analyze
 from analysis.peak import find_peak, timeline
 from analysis.plan import AS_FAST_WITHIN, Candidate, _in_processes, _largest_fitting, _Search, candidates, plan
+from analysis.plan_render import render_plan
 from analysis.report import MemoryReport
 from analysis.steptime import Cluster, schedule_makespan, step_time
 from analysis.sweep import run_sweep
@@ -266,9 +267,11 @@ def test_layouts_left_unsearched_are_slower_than_the_best(global_batch):
     found = {o.candidate: o for o in default.outcomes}
     assert default.best.candidate == every.best.candidate
     left_out = [o for o in every.outcomes if o.candidate not in found]
-    assert left_out and any("--exhaustive" in reason for reason in default.skipped)
+    assert left_out and set(default.slower) == {o.candidate for o in left_out}
     for outcome in left_out:
-        assert outcome.tokens_per_second * (1 + AS_FAST_WITHIN) < every.best.tokens_per_second
+        assert outcome.tokens_per_second <= default.slower[outcome.candidate]
+        assert default.slower[outcome.candidate] * (1 + AS_FAST_WITHIN) < every.best.tokens_per_second
+    assert "(--exhaustive searches them)" in render_plan(default) and not every.slower
     for outcome in every.outcomes:
         if outcome.candidate in found:
             same = found[outcome.candidate]
@@ -364,6 +367,8 @@ def test_plan_cli_json(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["recommended"]["fits"] and data["global_batch"] == 16
     assert len(data["candidates"]) >= 10
+    tokens_per_second = data["recommended"]["tokens_per_second"]
+    assert all(0 < left["ceiling_tokens_per_second"] < tokens_per_second for left in data["slower"])
     assert main([*argv, "--quiet", "--jobs", "2", "--no-offload"]) == 0
     assert "Recommended:" in capsys.readouterr().out
 
