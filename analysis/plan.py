@@ -497,12 +497,13 @@ class _Search:
 
     def _pipeline_ceiling(self, source: StepSource, layout: Layout) -> float | None:
         """A pipeline's ceiling from the layers each of its ranks runs (its stages' blocks, at their roofline per
-        sequence; the embedding, the head and the parameter-free modules left out). A rank with one stage cannot
-        start before the first microbatch's forward has passed the stages before it, and its last backward, the
-        last microbatch's, still has to pass back through them, so the step takes at least the layers before it
-        once plus its own layers for every microbatch. That bound per sequence falls as the microbatches grow, and a
-        pipeline runs at most its per-replica batch of them (with a global batch; else as many as it likes). A rank
-        of an interleaved schedule counts its own layers only. None for a model without decoder blocks."""
+        sequence; the embedding, the head and the parameter-free modules left out). Every schedule searched starts a
+        rank with the first microbatch's forward through its first stage and ends it with the last microbatch's
+        backward through it (``schedule_actions``): the rank cannot start before that forward has passed the stages
+        before it, and that backward still has to pass back through them, so the step takes at least the layers
+        before it once plus its own layers for every microbatch. That bound per sequence falls as the microbatches
+        grow, and a pipeline runs at most its per-replica batch of them (with a global batch; else as many as it
+        likes). None for a model without decoder blocks."""
         line = source.line()
         structure = line.one.structure
         if source not in self._block_rooflines:
@@ -521,7 +522,7 @@ class _Search:
         for rank in range(layout.pp):
             own = rank_stages(layout.pp, rank, layout.stages_per_rank)
             seconds = sum(stages[stage] for stage in own)
-            if microbatches is not None and layout.stages_per_rank == 1:
+            if microbatches is not None:
                 seconds += sum(stages[: own[0]]) / microbatches
             busiest = max(busiest, seconds)
         return layout.dp * layout.tp * self.setup.seq_len / busiest if busiest else None
