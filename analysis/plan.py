@@ -506,13 +506,13 @@ class _Search:
         likes). None for a model without decoder blocks."""
         line = source.line()
         structure = line.one.structure
+        if not structure.blocks:
+            return None
         if source not in self._block_rooflines:
             self._block_rooflines[source] = block_roofline_seconds_per_sequence(
                 line.one, line.two, self.cluster.gpu, self.compute_dtype
             )
         blocks = self._block_rooflines[source]
-        if not structure.blocks:
-            return None
         stages = [
             sum(blocks[structure.blocks[layer]] for layer in layers)
             for layers in layer_split(len(structure.blocks), layout.pp * layout.stages_per_rank, layout.pp_split)

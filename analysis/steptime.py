@@ -14,6 +14,7 @@ spans nodes the per-GPU network (``internode_gbps``). Overlapped communication c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from strategies.collectives import ring_exchanges
@@ -244,21 +245,28 @@ def _phase_seconds(
     """Seconds of each phase over ``micro_steps`` forward and backward passes and one optimizer step. Each
     traced pass (``passes``, the step's micro-steps) counts once, and the last one also stands for every pass
     not traced (a later micro-step also adds its gradients into the existing ones)."""
-    flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
-    bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
+    roofline = _roofline(gpu, compute_dtype)
     seconds = dict.fromkeys(Phase, 0.0)
     for position, ops in enumerate(passes):
         repeats = max(micro_steps - len(passes) + 1, 1) if position == len(passes) - 1 else 1
         for op in step.ops[ops.start : ops.stop]:
-            op_seconds = max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second)
+            op_seconds = roofline(op.flops, op.bytes_moved)
             seconds[op.phase] += op_seconds * (1 if op.phase is Phase.OPTIMIZER else repeats)
     return seconds
 
 
 def _ops_seconds(ops: list[Op], gpu: Gpu, compute_dtype: str) -> float:
+    roofline = _roofline(gpu, compute_dtype)
+    return sum(roofline(op.flops, op.bytes_moved) for op in ops)
+
+
+def _roofline(gpu: Gpu, compute_dtype: str) -> Callable[[float, float], float]:
+    """Seconds an op of ``flops`` FLOPs that reads and writes ``bytes_moved`` bytes takes: the slower of its compute
+    and its memory traffic. The step times and the ceilings' floor (:func:`roofline_seconds_per_sequence`) share
+    it, so that the floor stays under the times."""
     flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
     bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
-    return sum(max(op.flops / flops_per_second, op.bytes_moved / bytes_per_second) for op in ops)
+    return lambda flops, bytes_moved: max(flops / flops_per_second, bytes_moved / bytes_per_second)
 
 
 def roofline_seconds_per_sequence(one: StepGraph, two: StepGraph, gpu: Gpu, compute_dtype: str) -> float:
@@ -298,12 +306,10 @@ def block_roofline_seconds_per_sequence(
 def _per_sequence_seconds(one: StepGraph, two: StepGraph, gpu: Gpu, compute_dtype: str) -> list[float]:
     """Each op's roofline seconds per sequence: what it gains from ``one`` to ``two`` (0 outside forward and
     backward)."""
-    flops_per_second = gpu.peak_flops(compute_dtype) * COMPUTE_EFFICIENCY
-    bytes_per_second = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
+    roofline = _roofline(gpu, compute_dtype)
+    passes = (Phase.FORWARD, Phase.BACKWARD)
     return [
-        max((b.flops - a.flops) / flops_per_second, (b.bytes_moved - a.bytes_moved) / bytes_per_second)
-        if a.phase in (Phase.FORWARD, Phase.BACKWARD)
-        else 0.0
+        roofline(b.flops - a.flops, b.bytes_moved - a.bytes_moved) if a.phase in passes else 0.0
         for a, b in zip(one.ops, two.ops, strict=True)
     ]
 
