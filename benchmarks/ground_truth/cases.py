@@ -56,6 +56,16 @@ PIPELINES: dict[str, dict[str, Any]] = {
     "pp-4-interleaved": {"gpus": 4, "pp": 4, "pp_schedule": "interleaved-1f1b", "microbatches": 4},
     "pp-4-fsdp-zero2-8": {"gpus": 8, "pp": 4, "zero": 2, "microbatches": 4},
 }
+# Mixture-of-experts models, their experts run as transformers runs them on the GPU (grouped_mm where it runs): the
+# attention projections as LoRA's targets (peft finds none of its own in OLMoE's), a full bf16 step where it fits.
+ATTENTION_LORA = {"dtype": "bf16", "lora_r": 8, "lora_targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+MOE: tuple[tuple[str, int, int, str, dict[str, Any]], ...] = (  # model, batch, seq, setup's name, setup
+    ("allenai/OLMoE-1B-7B-0924", 1, 2048, "bf16-adamw", SETUPS["bf16-adamw"]),
+    ("allenai/OLMoE-1B-7B-0924", 2, 2048, "bf16-lora-attn", ATTENTION_LORA),
+    ("allenai/OLMoE-1B-7B-0924", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
+    ("deepseek-ai/DeepSeek-V2-Lite", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
+    ("Qwen/Qwen3-30B-A3B", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
+)
 # A full GPU, made small: capacities between the step's allocated and reserved peaks (measured on the H200), where
 # the allocator must release its cache to go on, and below what the cache's fragmentation lets fit.
 CAPACITIES: tuple[tuple[str, int, int, str, float], ...] = (  # model, batch, seq, setup, GiB
@@ -96,13 +106,20 @@ def _name(model: str, batch: int, seq: int, setup: str, layout: str = "") -> str
 
 def matrix(size: str) -> list[Case]:
     """``quick``: a few minutes on one GPU; ``full``: every model, shape and setup, the layouts and generate(),
-    the quick cases first (a run stopped early has them), then the capacity cases; ``capacity``: those alone."""
+    the quick cases first (a run stopped early has them), then the MoE cases, the rest and the capacity cases;
+    ``capacity``: those alone."""
     if size == "capacity":
         return capacity_cases()
     quick = _matrix("quick")
     if size == "quick":
         return quick
-    return quick + [case for case in _matrix("full") if case not in quick] + capacity_cases()
+    return quick + moe_cases() + [case for case in _matrix("full") if case not in quick] + capacity_cases()
+
+
+def moe_cases() -> list[Case]:
+    return [
+        Case(model, batch, seq, setup, name=_name(model, batch, seq, label)) for model, batch, seq, label, setup in MOE
+    ]
 
 
 def capacity_cases() -> list[Case]:

@@ -51,11 +51,12 @@ TRACE_ACTIONS = ("alloc", "free_completed", "segment_alloc", "segment_free", "se
 def setup_of(case: Case, target: Target) -> TrainingSetup:
     options = dict(case.setup)
     lora_r = options.pop("lora_r", None)
+    lora_targets = options.pop("lora_targets", None)
     return TrainingSetup(
         batch_size=case.batch_size,
         seq_len=case.seq_len,
         target=target,
-        lora=LoraSetup(r=lora_r) if lora_r else None,
+        lora=LoraSetup(r=lora_r, targets=tuple(lora_targets) if lora_targets else None) if lora_r else None,
         **options,
     )
 
