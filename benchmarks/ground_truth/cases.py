@@ -65,6 +65,9 @@ MOE: tuple[tuple[str, int, int, str, dict[str, Any]], ...] = (  # model, batch, 
     ("allenai/OLMoE-1B-7B-0924", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
     ("deepseek-ai/DeepSeek-V2-Lite", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
     ("Qwen/Qwen3-30B-A3B", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
+    ("mistralai/Mixtral-8x7B-v0.1", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
+    ("deepseek-ai/DeepSeek-V2-Lite", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
+    ("Qwen/Qwen3-30B-A3B", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
 )
 # A full GPU, made small: capacities between the step's allocated and reserved peaks (measured on the H200), where
 # the allocator must release its cache to go on, and below what the cache's fragmentation lets fit.
