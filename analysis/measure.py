@@ -1,7 +1,8 @@
 """The reference measurement: run the same step with real tensors and watch what it allocates.
 
 On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` of a steady-state step run
-as users run it, after the recorded one (a recording's dispatch mode changes how autograd sums gradients). On
+as users run it, before the recorded one: a recording's dispatch mode changes how autograd sums gradients, and the
+segments its step adds to the cache would stay in the reserved peak of any step after it. On
 CPU it counts every storage from its allocation to the moment its last reference dies, as
 ``torch.distributed._tools.mem_tracker`` does, with each allocation rounded as the CUDA caching allocator
 rounds it, and reports the largest total at any op of the recorded step, with the gradient sums a run without the
@@ -170,6 +171,12 @@ def _stepped(run, scaler: torch.amp.GradScaler | None) -> bool:
 def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device) -> StepResult | None:
     """Measure one step; None if the GradScaler skipped its optimizer step (then it is not steady state)."""
     cuda = device.type == "cuda"
+    if cuda:
+        peaks = _plain_step_peaks(setup, step, batch)
+        if peaks is None:
+            return None
+        free, total = torch.cuda.mem_get_info()
+        device_used = total - free  # the whole device: other processes count too
     net = step.model
     meter = LiveBytesMeter()
     recorder = StepRecorder(ModuleScope(net), device_type=device.type, listener=meter)
@@ -192,19 +199,16 @@ def _measure_step(model, setup: TrainingSetup, step: TrainingStep, batch, device
     report = build_report(model.model_id, setup, trace, step_graph, line, find_peak(line), kind="measurement")
     report.extra["tracked_peak_bytes"] = meter.peak
     if cuda:
-        peaks = _plain_step_peaks(setup, step, batch)
-        if peaks is None:
-            return None
         report.peak_bytes, report.reserved_bytes, report.allocator_retries = peaks
-        free, total = torch.cuda.mem_get_info()
-        report.device_total_bytes = total - free  # the whole device: other processes count too
+        report.device_total_bytes = device_used
     return StepResult(report, step_graph, line)
 
 
 def _plain_step_peaks(setup: TrainingSetup, step: TrainingStep, batch) -> tuple[int, int, int] | None:
     """``max_memory_allocated``, ``max_memory_reserved`` and the allocator's retries over one more step, run as users
     run it: without the recorder, whose dispatch mode makes autograd sum a tensor's gradients out of place where a
-    plain run sums them in place (tests/test_gradient_sums.py). None if the GradScaler skipped its optimizer step."""
+    plain run sums them in place (tests/test_gradient_sums.py), and before the recorded step, whose cache the
+    reserved peak would otherwise carry. None if the GradScaler skipped its optimizer step."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()  # which leaves num_alloc_retries counting since the process began
     retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0)

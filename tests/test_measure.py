@@ -79,3 +79,35 @@ def test_a_cuda_measurement_reads_a_plain_step(monkeypatch):
     monkeypatch.setattr(step, "run", run)
     assert _plain_step_peaks(setup, step, batch) == (7, 11, 1)
     assert modes == [None]
+
+
+def test_a_cuda_measurement_runs_its_plain_step_before_the_recorded_one(monkeypatch):
+    """The plain step's peaks are read before the recorder runs its step: the segments the recorded step adds to the
+    cache (its gradient sums out of place) would otherwise stay in the plain step's reserved peak, which no user's
+    run has. Checked with CPU tensors, the CUDA counters and device stood in for."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    import analysis.measure as measure
+
+    model = tiny_model("llama")
+    setup = TrainingSetup(batch_size=1, seq_len=8, target=Target.CPU)
+    net = build_model(model.config, setup)
+    step = TrainingStep(net, build_optimizer(net, setup, foreach=None))
+    batch = make_batch(model.config, setup, "cpu")
+    runs = []
+
+    def run(batch, on_phase=lambda phase: None, micro_steps=1):
+        runs.append("recorded" if _get_current_dispatch_mode() is not None else "plain")
+        TrainingStep.run(step, batch, on_phase, micro_steps)
+
+    def plain_peaks(setup, step, batch):
+        step.run(batch)
+        return 7, 11, 0
+
+    monkeypatch.setattr(step, "run", run)
+    monkeypatch.setattr(measure, "_plain_step_peaks", plain_peaks)
+    monkeypatch.setattr(measure, "_device_name", lambda device: "a stand-in GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1, 3))
+    result = measure._measure_step(model, setup, step, batch, torch.device("cuda"))
+    assert runs == ["plain", "recorded"]
+    assert (result.report.peak_bytes, result.report.reserved_bytes, result.report.device_total_bytes) == (7, 11, 2)

@@ -40,10 +40,13 @@ MAX_TRACE_ENTRIES = 2_000_000
 # How the weights came to the device: since 2026-11-27 built on the meta device and materialized as from_pretrained and
 # torchtitan do (tracer/materialize.py); earlier results, without the key, built every weight on the device first.
 BUILD = "meta"
-# Which step a single GPU's peaks are read off: since 2026-11-27 one run without the recorder, as users run it
-# (analysis/measure.py); earlier results, without the key, read the recorded step's, whose dispatch mode makes
-# autograd sum gradients out of place (tracer/gradient_sums.py). A parallel rank's step always ran plainly.
-PEAKS = "plain step"
+# Which step a single GPU's peaks are read off: one run without the recorder, as users run it, right after the
+# warm-up (analysis/measure.py). Earlier results, without the key, read the recorded step's, whose dispatch mode
+# makes autograd sum gradients out of place (tracer/gradient_sums.py); those of the H200's second run of
+# 2026-11-27, "plain step" (PLAIN_AFTER_RECORDED), read a plain step run after the recorded one, whose reserved
+# peak holds the segments the recorded step added. A parallel rank's step always ran plainly.
+PEAKS = "plain step before the recorded one"
+PLAIN_AFTER_RECORDED = "plain step"
 # The allocator trace, one row per event: [action, address, bytes, stream]. Actions as PyTorch names them.
 TRACE_ACTIONS = ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom")
 
