@@ -11,7 +11,7 @@ import torch
 from accelerate.utils import infer_auto_device_map as accelerate_device_map
 from generate_runtimes import auto_device_map, generate_peaks
 from test_inference import PREFILL_PEAK, TOLERANCE
-from tiny_models import LONGROPE, deep_tiny_model, tiny_model
+from tiny_models import LONGROPE, LONGROPE_DECODE_APART, deep_tiny_model, tiny_model
 from transformers.integrations import accelerate as hf_accelerate
 
 from analysis.cli import EXIT_USER_ERROR, main
@@ -113,6 +113,7 @@ def test_other_strategies_match_dispatched_generate(strategy):
     _against_dispatch(deep_tiny_model("llama", 4), _inference(3, strategy, **DECODING))
 
 
+@LONGROPE_DECODE_APART
 def test_generate_across_the_longrope_switch_over_a_device_map():
     """Phi-3 drops its cache at the token past original_max_position_embeddings (32) and runs the whole sequence
     again: the new cache's layers on their GPUs, the old ones alive meanwhile."""

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from transformers import AutoConfig
+import inspect
+
+import pytest
+from transformers import AutoConfig, modeling_rope_utils
 
 from tracer.resolve import ResolvedModel
 
@@ -323,3 +326,15 @@ def deep_tiny_model(family: str, layers: int, **overrides) -> ResolvedModel:
     if family == "gpt_neo":  # its per-layer list is written as (pattern, repeats)
         lists["attention_types"] = [[["global", "local"], layers // 2]] + [[["global"], 1]] * (layers % 2)
     return tiny_model(family, num_hidden_layers=layers, **lists, **overrides)
+
+
+# transformers 5.17's longrope registers its long frequencies as a new buffer when a sequence passes the switch and
+# drops the cache at each decode step after it; later 5.x copy them into the one buffer (torch.where).
+LONGROPE_RECACHES = "torch.where(seq_len > original" not in inspect.getsource(modeling_rope_utils.dynamic_rope_update)
+LONGROPE_DECODE_APART = pytest.mark.xfail(
+    LONGROPE_RECACHES,
+    strict=True,
+    reason="transformers 5.17's longrope crossing its switch mid-generation with a dynamic cache: decode -1.6% (8,704 "
+    "of 557,056 bytes) on one GPU, -3.3% on a device map's first; the decode step before the crossing, the longest "
+    "there, is not traced (docs/limits.md)",
+)

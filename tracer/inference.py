@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from unittest.mock import patch
 
 import torch
+import transformers
 from torch import nn
 from transformers import DynamicCache, GenerationConfig, PretrainedConfig, QuantizedCache, StaticCache, cache_utils
 from transformers.generation import utils as generation_utils
@@ -48,6 +49,7 @@ CACHE_KWARG = "cache" if "cache" in generation_utils.ALL_CACHE_NAMES else "past_
 DROPS_ALL_ONES_MASK = "_mask_length" in getattr(GenerationConfig, "__annotations__", {})
 # A cache offloaded to the host prefetches the next layer back on a stream of its own (Cache.prefetch_stream)
 PREFETCH_STREAM = "cache prefetch"
+FP8_CACHE = hasattr(cache_utils, "Fp8QuantizedLayer")  # QuantizedCache(backend="fp8"): transformers after 5.17
 
 
 @dataclass
@@ -127,16 +129,23 @@ class InferenceStep:
         offloading = setup.cache.startswith("offloaded")
         if setup.cache in ("static", "offloaded_static"):  # sized to max_length - 1
             length = setup.seq_len + setup.max_new_tokens - 1
-            cache = StaticCache(config=config, max_cache_len=length, offloading=offloading)
+            with _streams_traced():
+                cache = StaticCache(config=config, max_cache_len=length, offloading=offloading)
             if offloading:
                 _offloads_a_layer(cache)
             return cache
         if setup.cache == "quantized":
+            if setup.cache_backend == "fp8" and not FP8_CACHE:
+                raise UserError(
+                    f"--cache-backend fp8: transformers {transformers.__version__} has no FP8 QuantizedCache "
+                    "(Fp8QuantizedLayer came in a later 5.x): upgrade transformers, or choose another --cache."
+                )
             try:
                 return QuantizedCache(backend=setup.cache_backend, config=config)
             except ValueError as error:  # layers other than full attention
                 raise UserError(f"--cache quantized: transformers refuses this model: {error}") from None
-        return DynamicCache(config=config, offloading=offloading)
+        with _streams_traced():
+            return DynamicCache(config=config, offloading=offloading)
 
 
 CACHES = {
@@ -409,13 +418,24 @@ def _offloading(cache, recorder) -> Iterator[None]:
             layer.keys, layer.values = layer.keys.to(copy=True), layer.values.to(copy=True)
             layer._on_host = False
 
-    class _Stream(nullcontext):
-        def wait_stream(self, other) -> None:
-            pass
-
     with ExitStack() as stack:
-        stack.enter_context(patch.object(torch.cuda, "default_stream", lambda device=None: _Stream()))
+        stack.enter_context(patch.object(torch.cuda, "default_stream", lambda device=None: _TracedStream()))
         stack.enter_context(patch.object(cache_utils.CacheLayerMixin, "offload", offload))
         stack.enter_context(patch.object(cache_utils.CacheLayerMixin, "prefetch", prefetch))
-        stack.enter_context(patch.object(cache, "prefetch_stream", _Stream()))
+        stack.enter_context(patch.object(cache, "prefetch_stream", _TracedStream()))
+        yield
+
+
+class _TracedStream(nullcontext):
+    """A stream on the CPU trace: its work runs in order, so there is nothing to wait for."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+
+@contextmanager
+def _streams_traced() -> Iterator[None]:
+    """An offloading cache makes its prefetch stream as it is made (``torch.Stream()``, ``torch.cuda.Stream()`` before
+    torch 2.7), which a CUDA build of torch on a machine without a GPU refuses: the trace's stands in for it."""
+    with patch.object(torch, "Stream", _TracedStream), patch.object(torch.cuda, "Stream", _TracedStream):
         yield
