@@ -65,7 +65,7 @@ def compare(result: dict) -> dict:
     with patch("tracer.cuda.kernels.installed_torch_version", lambda: measured_torch):
         report = _rank0(analyze(model, setup, layout, capacity=limit))
         reserved = report.reserved_bytes
-        if result.get("peaks") == PLAIN_AFTER_RECORDED:  # the segments a cache holds stay: the larger peak it is
+        if result.get("peaks") == PLAIN_AFTER_RECORDED:  # a cache keeps its segments: the larger of the two steps'
             recorded = analyze(model, dataclasses.replace(setup, dispatch_mode=True), layout, capacity=limit)
             reserved = max(reserved, _rank0(recorded).reserved_bytes)
     row = {
