@@ -73,7 +73,8 @@ class InferenceStep:
         setup, model = self.setup, self.model
         on_phase(Phase.PREFILL)
         parameters = set(inspect.signature(model.forward).parameters)
-        cache = self._cache()
+        with _streams_traced():
+            cache = self._cache()
         if recorder is not None and recorder.placement is not None:
             for tensor in _made_with(cache):  # host tensors, which each layer copies to its GPU (lazy_initialization)
                 recorder.place(tensor, on_device=False)
@@ -129,8 +130,7 @@ class InferenceStep:
         offloading = setup.cache.startswith("offloaded")
         if setup.cache in ("static", "offloaded_static"):  # sized to max_length - 1
             length = setup.seq_len + setup.max_new_tokens - 1
-            with _streams_traced():
-                cache = StaticCache(config=config, max_cache_len=length, offloading=offloading)
+            cache = StaticCache(config=config, max_cache_len=length, offloading=offloading)
             if offloading:
                 _offloads_a_layer(cache)
             return cache
@@ -144,8 +144,7 @@ class InferenceStep:
                 return QuantizedCache(backend=setup.cache_backend, config=config)
             except ValueError as error:  # layers other than full attention
                 raise UserError(f"--cache quantized: transformers refuses this model: {error}") from None
-        with _streams_traced():
-            return DynamicCache(config=config, offloading=offloading)
+        return DynamicCache(config=config, offloading=offloading)
 
 
 CACHES = {
