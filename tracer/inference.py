@@ -37,7 +37,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from tracer.errors import UserError
 from tracer.roles import Phase, Role
 from tracer.step import Batch, OnPhase
-from tracer.training import TrainingSetup
+from tracer.training import Target, TrainingSetup
 
 # The keyword generate() holds the cache under, in its kwargs and the model's outputs: ``cache`` from
 # transformers 5.24 (generation/utils.py ALL_CACHE_NAMES), ``past_key_values`` before.
@@ -50,6 +50,9 @@ DROPS_ALL_ONES_MASK = "_mask_length" in getattr(GenerationConfig, "__annotations
 # A cache offloaded to the host prefetches the next layer back on a stream of its own (Cache.prefetch_stream)
 PREFETCH_STREAM = "cache prefetch"
 FP8_CACHE = hasattr(cache_utils, "Fp8QuantizedLayer")  # QuantizedCache(backend="fp8"): transformers after 5.17
+# Whether generate() runs MoE experts' grouped_mm as batched_mm in its decode steps on a GPU (:func:`_decoding`)
+DECODES_WITH_BATCHED_MM = hasattr(generation_utils.GenerationMixin, "_optimize_model_for_decode")
+GROUPED_MM, BATCHED_MM = "grouped_mm", "batched_mm"
 
 
 @dataclass
@@ -107,22 +110,24 @@ class InferenceStep:
             refill = getattr(self.config, "original_max_position_embeddings", None)
             refill = None if refill is None else refill + 1
             restarted = False
-            for length in _lengths_traced(state.ids.shape[1], last, refill):
-                _advance(state, length, recorder, grow_cache=not restarted)
-                drops, tokens = _next_inputs(state, recorder)
-                if length == refill and length < last and not drops:
-                    continue  # a decode step like the last, with a shorter cache
-                if drops:
-                    self.dropped_cache = (
-                        f"the model's prepare_inputs_for_generation drops the cache at sequence length {length}, "
-                        f"and the forward runs {tokens} tokens into a new cache, the old one alive meanwhile; traced"
-                    )
-                on_phase(Phase.PREFILL if tokens > 1 else Phase.DECODE)
-                state.forward(1)
-                _mark_cache(state.cache, recorder)
-                # transformers 5.17 drops the cache but runs the one new token: every later step finds a cache of
-                # fewer than original_max_position_embeddings tokens and drops it again
-                restarted = drops and tokens == 1
+            with _decoding(model, setup):
+                for length in _lengths_traced(state.ids.shape[1], last, refill):
+                    _advance(state, length, recorder, grow_cache=not restarted)
+                    drops, tokens = _next_inputs(state, recorder)
+                    if length == refill and length < last and not drops:
+                        continue  # a decode step like the last, with a shorter cache
+                    if drops:
+                        self.dropped_cache = (
+                            "the model's prepare_inputs_for_generation drops the cache at sequence length "
+                            f"{length}, and the forward runs {tokens} tokens into a new cache, the old one alive "
+                            "meanwhile; traced"
+                        )
+                    on_phase(Phase.PREFILL if tokens > 1 else Phase.DECODE)
+                    state.forward(1)
+                    _mark_cache(state.cache, recorder)
+                    # transformers 5.17 drops the cache but runs the one new token: every later step finds a cache of
+                    # fewer than original_max_position_embeddings tokens and drops it again
+                    restarted = drops and tokens == 1
 
     def _cache(self):
         """The cache generate() makes for ``setup.cache`` (``_prepare_cache_for_generation``)."""
@@ -283,6 +288,28 @@ class _Sampling:
         self.ids = torch.cat([self.ids, self.ids.new_zeros((self.ids.shape[0], tokens))], dim=-1)
         grown = CausalLMOutputWithPast(**{CACHE_KWARG: self.cache})
         self.kwargs = self.model._update_model_kwargs_for_generation(grown, self.kwargs, num_new_tokens=tokens)
+
+
+@contextmanager
+def _decoding(model: nn.Module, setup: TrainingSetup) -> Iterator[None]:
+    """generate()'s loop after the prefill. On a GPU, transformers runs MoE experts that use grouped_mm as batched_mm
+    there (``GenerationMixin._optimize_model_for_decode``), which gathers each routed token's experts' weights: a
+    copy per token and expert. The traced model's tensors sit on the CPU, where generate() leaves grouped_mm, so the
+    target decides."""
+    implementations = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+    if not (decodes_with_batched_mm(setup) and GROUPED_MM in implementations.values()):
+        yield
+        return
+    model.set_experts_implementation({k: BATCHED_MM if v == GROUPED_MM else v for k, v in implementations.items()})
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(implementations)
+
+
+def decodes_with_batched_mm(setup: TrainingSetup) -> bool:
+    """Whether generate() runs a MoE model's grouped_mm experts as batched_mm in the decode steps of ``setup``."""
+    return DECODES_WITH_BATCHED_MM and setup.mode == "inference" and setup.target is Target.CUDA
 
 
 def _lengths_traced(first: int, last: int, refill: int | None) -> list[int]:

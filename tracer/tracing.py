@@ -37,7 +37,7 @@ from tracer.device_map import DevicePlacement, free_memory, place_modules
 from tracer.errors import UserError
 from tracer.expert_parallel import AssumedExchange, routing_of, shard_experts
 from tracer.gpus import find_gpu
-from tracer.inference import InferenceStep, describe_generation
+from tracer.inference import GROUPED_MM, InferenceStep, decodes_with_batched_mm, describe_generation
 from tracer.known_values import KnownValues
 from tracer.layers import LayerPlan, plan_layers
 from tracer.meta_fixes import MetaFixes
@@ -493,12 +493,18 @@ def _experts_assumptions(config, setup: TrainingSetup) -> dict[str, str]:
             "experts, run there by grouped matmuls over the rows each GPU receives (expert_routing), sent back"
         }
     implementation = getattr(config, "_experts_implementation", None) or "eager"
-    if implementation == "grouped_mm":
-        return {
-            "moe_experts": "transformers' grouped_mm, its default where torch's grouped matmul runs (CUDA compute "
-            "capability 8.0 and later): the routed tokens sorted by expert and multiplied once, so the memory "
-            "does not depend on how the router spreads them"
-        }
+    if implementation == GROUPED_MM:
+        experts = (
+            "transformers' grouped_mm, its default where torch's grouped matmul runs (CUDA compute capability 8.0 and "
+            "later): the routed tokens sorted by expert and multiplied once, so the memory does not depend on how the "
+            "router spreads them"
+        )
+        if decodes_with_batched_mm(setup):
+            experts += (
+                "; generate()'s decode steps on a GPU switch to batched_mm, which copies the weights of each routed "
+                "token's experts (batch x top-k copies in each layer)"
+            )
+        return {"moe_experts": experts}
     return {"moe_experts": f"the model's own experts code ({implementation})"}
 
 

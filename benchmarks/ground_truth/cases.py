@@ -68,6 +68,10 @@ MOE: tuple[tuple[str, int, int, str, dict[str, Any]], ...] = (  # model, batch, 
     ("mistralai/Mixtral-8x7B-v0.1", 1, 2048, "bf16-lora-attn", ATTENTION_LORA),
     ("deepseek-ai/DeepSeek-V2-Lite", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
     ("Qwen/Qwen3-30B-A3B", 4, 512, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
+    # generate() decodes with batched_mm on a GPU, a copy of each routed token's experts: the peak at those copies
+    ("allenai/OLMoE-1B-7B-0924", 32, 128, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
+    ("Qwen/Qwen3-30B-A3B", 16, 256, "generate-static", INFERENCE_SETUPS["generate-static"]),
+    ("mistralai/Mixtral-8x7B-v0.1", 8, 256, "generate-dynamic", INFERENCE_SETUPS["generate-dynamic"]),
 )
 # A full GPU, made small: capacities between the step's allocated and reserved peaks (measured on the H200), where
 # the allocator must release its cache to go on, and below what the cache's fragmentation lets fit.
