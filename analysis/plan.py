@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -84,8 +84,11 @@ class Outcome:
     micro_batch: int = 0  # 0: not even one sequence fits
     accumulation: int = 1
     needed_at: int = 1  # the micro-batch needed_bytes was read at when nothing fits
-    report: MemoryReport | None = None  # at micro_batch, or at batch 1 when nothing fits
+    report: MemoryReport | None = None  # at micro_batch, or at batch 1 when nothing fits (None: see needed_is_floor)
     needed_bytes: int = 0
+    # needed_bytes is only the allocated peak plus the CUDA context, which already rules the layout out: the caching
+    # allocator's replay, which can only add to it, was not run (nor a report made)
+    needed_is_floor: bool = False
     time: StepTime | None = None
     tokens_per_second: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -306,6 +309,8 @@ def plan(
             skipped += piped_skipped
         elif pipeline == "auto":
             skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
+        if not any(o.fits for o in outcomes):
+            outcomes = _replayed_where_least(search, outcomes, jobs, on_progress)
     fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
     failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
     result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped, slower=slower)
@@ -313,6 +318,22 @@ def plan(
         on_progress("nothing fits: looking for the smallest change that would", 0, 0)
         result.suggestions = _suggestions(search, gpus)
     return result
+
+
+def _replayed_where_least(
+    search: _Search, outcomes: list[Outcome], jobs: int, on_progress: Callable[[str, int, int], None]
+) -> list[Outcome]:
+    """When nothing fits, the plan names the layout that needs least: the layouts known only by their floor, where it
+    is below the least any replayed layout needs, are searched again with the allocator replayed."""
+    least = min((o.needed_bytes for o in outcomes if not o.needed_is_floor), default=math.inf)
+    again = [index for index, o in enumerate(outcomes) if o.needed_is_floor and o.needed_bytes < least]
+    search.replay_ruled_out = True
+    replayed = _search_candidates(search, [outcomes[index].candidate for index in again], jobs, on_progress)
+    search.replay_ruled_out = False
+    outcomes = list(outcomes)
+    for index, outcome in zip(again, replayed, strict=True):
+        outcomes[index] = outcome
+    return outcomes
 
 
 def _search_all(
@@ -444,6 +465,8 @@ class _Search:
     budget: MemoryBudget
     global_batch: int | None
     compute_dtype: str
+    # replay the allocator where even a layout's floor does not fit, for the figure it needs (when nothing fits)
+    replay_ruled_out: bool = False
     sources: dict[TrainingSetup, StepSource] = field(default_factory=dict)
     _rooflines: dict[StepSource, float] = field(default_factory=dict)  # seconds per sequence
     _block_rooflines: dict[StepSource, dict[str, float]] = field(default_factory=dict)  # the same, each block's
@@ -701,13 +724,13 @@ def _search(search: _Search, candidate: Candidate) -> Outcome:
     candidate_setup = search.candidate_setup(candidate)
     steps = search.layout_estimate(candidate_setup, layout)
     if per_rank is None:
-        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
+        largest = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH, search.replay_ruled_out)
         accumulation = 1
     else:
-        micro, accumulation, steps, report = _largest_divisor_fitting(search, candidate_setup, layout, steps, per_rank)
+        largest, accumulation, steps = _largest_divisor_fitting(search, candidate_setup, layout, steps, per_rank)
+    micro = largest.size
     if micro == 0:
-        outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
-        outcome.needed_at = report.setup.batch_size
+        _needs(outcome, largest)
         if accumulation > 1:
             outcome.notes.append(f"at micro-batch 1 with {accumulation} accumulation steps")
         elif not _accumulates(layout) and per_rank is not None and per_rank > 1:
@@ -734,8 +757,11 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
     if per_rank is None:
         microbatches = MICROBATCHES_PER_STAGE * layout.pp
         steps = search.layout_estimate(candidate_setup, dataclasses.replace(layout, microbatches=microbatches))
-        micro, report = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH)
-        options = [(micro, microbatches, steps, report)]
+        largest = _largest_fitting(steps, search.budget, MAX_MICRO_BATCH, search.replay_ruled_out)
+        if largest.size == 0:
+            _needs(outcome, largest)
+            return outcome
+        options = [(largest.size, microbatches, steps, largest.report)]
     else:
         takes = [m for m in range(layout.pp, per_rank + 1) if schedule_takes(layout.pp_schedule, layout.pp, m)]
         counts = [m for m in takes if per_rank % m == 0]
@@ -747,24 +773,17 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
         for microbatches in sorted(counts, reverse=True):  # smallest microbatches first: memory grows with them
             micro = per_rank // microbatches
             steps = search.layout_estimate(candidate_setup, dataclasses.replace(layout, microbatches=microbatches))
-            report = (
-                steps.evaluate(micro).report
-                if not options or not search.budget.rules_out(steps.needed_floor(micro))
-                else None
-            )
-            if report is None or not search.budget.fits(report):
+            largest = _largest_fitting_of(steps, search.budget, [micro], search.replay_ruled_out and not options)
+            if largest.size == 0:
                 if not options:
                     outcome.candidate = Candidate(steps.prepared.layout, candidate.checkpointing)
-                    outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
-                    outcome.needed_at, outcome.accumulation = micro, microbatches
+                    _needs(outcome, largest)
+                    outcome.accumulation = microbatches
                 break
-            options.append((micro, microbatches, steps, report))
+            options.append((micro, microbatches, steps, largest.report))
         if not options:
             return outcome
     for micro, microbatches, steps, report in options:
-        if micro == 0:
-            outcome.report, outcome.needed_bytes = report, search.budget.needed_bytes(report)
-            continue
         traced = {rank.pp: steps.rank_step(rank, micro) for rank in steps.ranks}
         # a stage not searched stands behind stage 1, which runs as many layers or more
         stages = [traced.get(stage, traced.get(1)) for stage in range(layout.pp)]
@@ -780,23 +799,21 @@ def _search_pipeline(search: _Search, candidate: Candidate, per_rank: int | None
 
 def _largest_divisor_fitting(
     search: _Search, candidate_setup: TrainingSetup, layout: Layout, whole: LayoutEstimate, per_rank: int
-) -> tuple[int, int, LayoutEstimate, MemoryReport]:
-    """The largest micro-batch dividing ``per_rank`` that fits, its accumulation, the estimate it was read from
-    and its report (micro-batch 0 and micro-batch 1's report if none fits).
+) -> tuple[Largest, int, LayoutEstimate]:
+    """The largest micro-batch dividing ``per_rank`` that fits (or what micro-batch 1 needs, if none does), its
+    accumulation and the estimate it was read from.
 
     The whole per-rank batch in one micro-step is tried first; otherwise the micro-steps accumulate (where the
     layout can), whose gradients outlive each backward, so memory only grows: the proper divisors are searched on
     the step of two micro-steps (which stands for any number of them)."""
-    budget = search.budget
     alone = per_rank == 1 or not _accumulates(layout)
-    if alone or not budget.rules_out(whole.needed_floor(per_rank)):
-        report = whole.evaluate(per_rank).report
-        if budget.fits(report) or alone:
-            return (per_rank if budget.fits(report) else 0), 1, whole, report
+    largest = _largest_fitting_of(whole, search.budget, [per_rank], search.replay_ruled_out and alone)
+    if largest.size or alone:
+        return largest, 1, whole
     accumulating = search.accumulating_estimate(candidate_setup, layout)
     divisors = [d for d in range(1, per_rank) if per_rank % d == 0]
-    micro, report = _largest_fitting_of(accumulating, budget, divisors)
-    return micro, (per_rank // micro if micro else per_rank), accumulating, report
+    largest = _largest_fitting_of(accumulating, search.budget, divisors, search.replay_ruled_out)
+    return largest, (per_rank // largest.size if largest.size else per_rank), accumulating
 
 
 def _accumulates(layout: Layout) -> bool:
@@ -805,13 +822,32 @@ def _accumulates(layout: Layout) -> bool:
     return layout.pp == 1 and layout.ep == 1
 
 
-def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int) -> tuple[int, MemoryReport]:
-    """The largest batch up to ``cap`` that fits, and its report (0 and batch 1's report if none does)."""
-    return _largest_fitting_of(steps, budget, range(1, cap + 1))
+class Largest(NamedTuple):
+    """The largest size that fits and its report; where none does (``size`` 0), what the smallest needs: its
+    report's figure, or only its floor (``report`` None), which already rules it out."""
+
+    size: int
+    report: MemoryReport | None
+    needed_bytes: int
+    needed_at: int
 
 
-def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequence[int]) -> tuple[int, MemoryReport]:
-    """The largest of ``sizes`` (ascending) that fits, and its report (0 and the smallest's report if none does).
+def _needs(outcome: Outcome, largest: Largest) -> None:
+    """What a layout that fits no size needs, and at which."""
+    outcome.report, outcome.needed_bytes, outcome.needed_at = largest.report, largest.needed_bytes, largest.needed_at
+    outcome.needed_is_floor = largest.report is None
+
+
+def _largest_fitting(steps: LayoutEstimate, budget: MemoryBudget, cap: int, replay_ruled_out: bool) -> Largest:
+    """The largest batch up to ``cap`` that fits."""
+    return _largest_fitting_of(steps, budget, range(1, cap + 1), replay_ruled_out)
+
+
+def _largest_fitting_of(
+    steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequence[int], replay_ruled_out: bool
+) -> Largest:
+    """The largest of ``sizes`` (ascending) that fits; if none does, what the smallest needs: its report's figure, or
+    with ``replay_ruled_out`` False and the smallest's floor over the budget, that floor (no replay, no report).
 
     Memory grows with the batch. The allocated peak plus the CUDA context (``needed_floor``, no allocator
     replay) is at most what a report needs, so the search runs on it first: the largest size whose floor fits
@@ -838,6 +874,8 @@ def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequ
         return found
 
     position = bad = largest_within(budget.usable_bytes, len(sizes))
+    if position < 0 and not replay_ruled_out:
+        return Largest(0, None, floor(0), sizes[0])
     bad += 1  # the smallest position known not to fit
     report = None
     while position >= 0:
@@ -849,7 +887,8 @@ def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequ
         # is flat and a large batch's cached activation segments leave it far more slack than a small batch's
         position = max(largest_within(budget.usable_bytes - slack, position), 0) if position else -1
     else:
-        return 0, report if report is not None else steps.evaluate(sizes[0]).report
+        report = report if report is not None else steps.evaluate(sizes[0]).report
+        return Largest(0, report, budget.needed_bytes(report), sizes[0])
     while bad - position > 1:  # the allocator's slack varies from size to size: close in on the edge
         middle = (position + bad) // 2
         middle_report = steps.evaluate(sizes[middle]).report
@@ -857,7 +896,7 @@ def _largest_fitting_of(steps: LayoutEstimate, budget: MemoryBudget, sizes: Sequ
             position, report = middle, middle_report
         else:
             bad = middle
-    return sizes[position], report
+    return Largest(sizes[position], report, budget.needed_bytes(report), sizes[position])
 
 
 def _with_accumulation(report: MemoryReport, accumulation: int) -> MemoryReport:

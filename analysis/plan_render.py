@@ -38,6 +38,7 @@ def render_plan(plan: Plan) -> str:
             colalign=("right", "left", *("right",) * (7 if pipelined else 6)),
         ),
         *(["", *(f"[{number}] {note}" for note, number in numbers.items())] if numbers else []),
+        *([FLOOR_NOTE] if any(outcome.needed_is_floor for outcome in plan.outcomes) else []),
         "",
         *_recommendation(plan),
         "",
@@ -83,10 +84,17 @@ def _routing(plan: Plan) -> list[str]:
     ]
 
 
+FLOOR = ">="  # what a layout needs, known only by its floor (Outcome.needed_is_floor)
+FLOOR_NOTE = (
+    f"{FLOOR}: the allocated peak plus the CUDA context, already over the budget; the caching allocator's replay, "
+    "which can only add to it, was not run"
+)
+
+
 def _row(rank: int, outcome: Outcome, notes_index: dict[str, int], pipelined: bool) -> list[Any]:
     notes = "".join(f" [{notes_index[note]}]" for note in outcome.notes)
     if not outcome.fits:
-        needed = f"{outcome.needed_bytes / GIB:.1f} at {outcome.needed_at}"
+        needed = f"{FLOOR if outcome.needed_is_floor else ''}{outcome.needed_bytes / GIB:.1f} at {outcome.needed_at}"
         row = ["-", outcome.candidate.describe() + notes, "none", "", needed, "", "out of memory", ""]
         return row + ([""] if pipelined else [])
     time = outcome.time
@@ -143,8 +151,9 @@ def _recommendation(plan: Plan) -> list[str]:
     if ddp is not None and ddp is not best:
         name = ddp.candidate.describe()
         if not ddp.fits:
-            over = ddp.needed_bytes - plan.budget.usable_bytes
-            lines.append(f"  {name} runs out of memory at micro-batch 1 by {format_bytes(over)}.")
+            over = format_bytes(ddp.needed_bytes - plan.budget.usable_bytes)
+            by = f"at least {over}" if ddp.needed_is_floor else over
+            lines.append(f"  {name} runs out of memory at micro-batch 1 by {by}.")
         else:
             lines.append(f"  {name} fits micro-batch {ddp.micro_batch} but is {_slower(ddp, best):.0%} slower.")
     runner_up = next((o for o in plan.outcomes[1:] if o.fits and o is not ddp), None)
@@ -228,6 +237,7 @@ def _outcome_json(outcome: Outcome) -> dict[str, Any]:
         "micro_batch": outcome.micro_batch,
         "accumulation": outcome.accumulation,
         "needed_bytes": outcome.needed_bytes,
+        "needed_bytes_is_floor": outcome.needed_is_floor,
         "peak_allocated_bytes": outcome.report.peak_bytes if outcome.report else None,
         "step_time": outcome.time.to_json() if outcome.time else None,
         "tokens_per_second": outcome.tokens_per_second,

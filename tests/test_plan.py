@@ -121,17 +121,22 @@ def test_chosen_batch_is_the_largest_that_fits_by_analyze():
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(112 * MIB))
     budget = MemoryBudget(gpu.memory_bytes)
     result = plan(model, SETUP, 4, Cluster(gpu), budget, global_batch=None, offload=False)
-    checked = 0
+    checked = floors = 0
     for outcome in result.outcomes:
         layout = outcome.candidate.layout
         setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing)
         if outcome.fits:
             chosen = dataclasses.replace(setup, batch_size=outcome.micro_batch)
             assert budget.fits(_analyze(budget, model, chosen, layout))
-        larger = dataclasses.replace(setup, batch_size=outcome.micro_batch + 1)
-        assert not budget.fits(_analyze(budget, model, larger, layout))
+        larger = _analyze(budget, model, dataclasses.replace(setup, batch_size=outcome.micro_batch + 1), layout)
+        assert not budget.fits(larger)
+        if not outcome.fits and outcome.needed_is_floor:  # a floor: over the budget, and no more than batch 1 needs
+            floors += 1
+            assert budget.usable_bytes < outcome.needed_bytes <= budget.needed_bytes(larger)
+        elif not outcome.fits:
+            assert outcome.needed_bytes == budget.needed_bytes(larger)
         checked += 1
-    assert checked >= 10
+    assert checked >= 10 and floors
     assert any(o.micro_batch > 3 for o in result.outcomes)  # batches off the line were chosen, not only traced ones
 
 
@@ -234,9 +239,19 @@ def test_nothing_fits_names_a_change_that_would():
     pools)."""
     model = tiny_model("llama", hidden_size=512, intermediate_size=1024, num_hidden_layers=4)
     gpu = dataclasses.replace(find_gpu("h100"), memory_bytes=_beyond_context(190 * MIB))
-    result = plan(model, SETUP, 1, Cluster(gpu), MemoryBudget(gpu.memory_bytes), offload=False)
+    budget = MemoryBudget(gpu.memory_bytes)
+    result = plan(model, SETUP, 1, Cluster(gpu), budget, offload=False)
     assert result.best is None
     assert any("--gpus" in suggestion for suggestion in result.suggestions), result.suggestions
+    least = result.outcomes[0]  # the one the recommendation names: replayed, and no floor below what it needs
+    assert not least.needed_is_floor and least.report is not None
+    for outcome in result.outcomes:
+        setup = dataclasses.replace(SETUP, grad_checkpointing=outcome.candidate.checkpointing, batch_size=1)
+        needed = budget.needed_bytes(_analyze(budget, model, setup, outcome.candidate.layout))
+        if outcome.needed_is_floor:  # a floor: at most what the layout needs, and no less than the least's need
+            assert least.needed_bytes <= outcome.needed_bytes <= needed and outcome.report is None
+        else:
+            assert outcome.needed_bytes == needed
 
 
 def test_candidates_cover_data_and_tensor_parallel_with_and_without_checkpointing():
@@ -577,6 +592,27 @@ def test_the_search_tries_the_smallest_batch_whatever_the_slack():
             return SimpleNamespace(report=SimpleNamespace(ranks=[], device_total_bytes=101 + size, peak_bytes=100))
 
     budget = MemoryBudget(capacity_bytes=106, margin=0)
-    micro, report = _largest_fitting(Flat(), budget, 64)
-    assert (micro, report.device_total_bytes) == (5, 106)
-    assert _largest_fitting(Flat(), MemoryBudget(capacity_bytes=101, margin=0), 64)[0] == 0
+    largest = _largest_fitting(Flat(), budget, 64, replay_ruled_out=False)
+    assert (largest.size, largest.report.device_total_bytes, largest.needed_bytes) == (5, 106, 106)
+    none = _largest_fitting(Flat(), MemoryBudget(capacity_bytes=101, margin=0), 64, replay_ruled_out=False)
+    assert (none.size, none.needed_bytes, none.needed_at) == (0, 102, 1)  # the smallest's report
+
+
+def test_a_floor_over_the_budget_is_not_replayed():
+    """Where even the smallest batch's floor is over the budget, that floor is what the layout needs, and no report
+    is made, unless the replay is asked for (the plan asks when nothing fits, to name the least hungry layout)."""
+
+    class Replayed(Exception):
+        pass
+
+    class Hungry:
+        def needed_floor(self, size: int) -> int:
+            return 100 + size
+
+        def evaluate(self, size: int):
+            raise Replayed
+
+    budget = MemoryBudget(capacity_bytes=100, margin=0)
+    assert _largest_fitting(Hungry(), budget, 64, replay_ruled_out=False) == (0, None, 101, 1)
+    with pytest.raises(Replayed):
+        _largest_fitting(Hungry(), budget, 64, replay_ruled_out=True)
