@@ -354,6 +354,41 @@ def test_moe_decode_on_a_gpu_matches_generate(family):
     assert "batched_mm" not in on_the_cpu.assumptions["moe_experts"]
 
 
+EP_SLOW = [pytest.mark.slow, pytest.mark.skipif(not TRANSFORMERS_EP_SIZE, reason=EP_SIZE_MISSING)]
+
+
+@pytest.mark.skipif(not DECODES_WITH_BATCHED_MM, reason="this transformers' generate() keeps grouped_mm throughout")
+@pytest.mark.parametrize(
+    ("family", "expert_parallel"),
+    [
+        pytest.param("qwen3_moe", False, id="qwen3_moe-tp"),
+        pytest.param("mixtral", False, id="mixtral-tp", marks=pytest.mark.slow),
+        *(
+            pytest.param(family, True, id=f"{family}-ep", marks=EP_SLOW)
+            for family in ("qwen3_moe", "mixtral", "gpt_oss")
+        ),
+    ],
+)
+def test_tensor_parallel_moe_decode_on_a_gpu_matches_generate(family, expert_parallel):
+    """The decode switch to batched_mm with the experts split: tp_plan's expert styles (each copy a rank's slice of
+    each routed expert) and DistributedConfig's ep_size (each rank copying its own experts for every routed token,
+    the other rank's masked). transformers' own tensor-parallel generate() on rank 0 of 2, asked as on a GPU."""
+    overrides = tp_heads(family, 2) | WIDE_EXPERTS[family]
+    setup = _inference(batch_size=4, **DECODE_PEAK)
+    with _generate_as_on_a_gpu():
+        runtime = transformers_tp_generate_peak(tiny_model(family, **overrides), setup, 2, 0, expert_parallel)
+    layout = Layout(gpus=2, tp=2, ep=2 if expert_parallel else 1)
+
+    def rank_zero(report: MemoryReport) -> MemoryReport:
+        return next(rank for rank in report.ranks if rank.rank.tp == 0)
+
+    with patch("tracer.inference.decodes_with_batched_mm", lambda setup: True):
+        estimated = rank_zero(analyze(tiny_model(family, **overrides), setup, layout))
+    on_the_cpu = rank_zero(analyze(tiny_model(family, **overrides), setup, layout))
+    assert abs(estimated.peak_bytes - runtime) <= TOLERANCE * runtime, (estimated.peak_bytes, runtime)
+    assert estimated.peak_phase == "decode" and estimated.peak_bytes > on_the_cpu.peak_bytes * 1.05
+
+
 def test_moe_report_says_how_the_experts_run():
     """The routing does not move the estimate: transformers' default grouped_mm runs every routed token once."""
     assert (
