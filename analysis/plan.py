@@ -155,6 +155,11 @@ def candidates(
             layouts += _pipeline_layouts(gpus, tp, layers, context_degrees)
     if pipeline != "only":
         layouts += _context_parallel_layouts(gpus, tensor_degrees, context_degrees)
+    if pipeline != "only" and gpus > 1 and setup.seq_len < CONTEXT_PARALLEL_FROM:
+        skipped.append(
+            f"context parallelism: searched for sequences from {CONTEXT_PARALLEL_FROM:,} tokens (this one has "
+            f"{setup.seq_len:,}; analyze --cp models it at any length)"
+        )
     if experts and pipeline != "only":
         expert_parallel, wide = _expert_parallel_layouts(gpus, experts, cluster.gpus_per_node, routing_imbalance)
         layouts += expert_parallel

@@ -518,6 +518,16 @@ def test_long_sequences_are_planned_with_context_parallelism():
         assert outcome.time.communication_s > 0
 
 
+def test_shorter_sequences_say_why_context_parallelism_is_not_searched():
+    model = tiny_model("llama", max_position_embeddings=16384)
+    gpu = find_gpu("h100")
+    short, skipped = candidates(model, dataclasses.replace(SETUP, seq_len=8192), 4, Cluster(gpu))
+    assert not any(c.layout.cp > 1 for c in short)
+    assert any(reason.startswith("context parallelism: searched for sequences from 16,384") for reason in skipped)
+    long, skipped = candidates(model, dataclasses.replace(SETUP, seq_len=16384), 4, Cluster(gpu))
+    assert any(c.layout.cp > 1 for c in long) and not any("context parallelism" in reason for reason in skipped)
+
+
 @pytest.mark.slow
 def test_long_sequences_are_pipelined_with_context_parallelism():
     """--pipeline on at 16k tokens adds pipelines whose stages run context parallel (torchtitan's pp x dp x cp mesh),
