@@ -134,6 +134,11 @@ def test_multimodal_checkpoint_is_analyzed_as_its_language_model(tmp_path, capsy
     from tracer.resolve import resolve_model
 
     assert "vision tower is not counted" in resolve_model("meta-llama/Llama-4-Scout-17B-16E-Instruct").source
+    # AutoModelForCausalLM loads Gemma 3's multimodal checkpoints whole, Llama 4's as its language model
+    assert (
+        "loads this checkpoint whole (Gemma3ForConditionalGeneration)" in resolve_model("google/gemma-3-4b-it").source
+    )
+    assert "loads this checkpoint whole" not in resolve_model("meta-llama/Llama-4-Scout-17B-16E-Instruct").source
     text = json.loads(tiny_model("llama").config.to_json_string())
     path = tmp_path / "config.json"
     path.write_text(

@@ -118,7 +118,8 @@ def language_model(data: Any, where: str) -> tuple[Any, str | None]:
     """The config of the decoder to estimate, and how it was found when it is not the file's top level.
 
     A multimodal checkpoint (Gemma 3, Llama 4, Mistral Small 3.1, Qwen3-VL) nests its language model under
-    ``text_config``; it is estimated alone, without the vision tower. Gemma 3's files list only the fields that
+    ``text_config``; it is estimated alone, without the vision tower (the report says where AutoModelForCausalLM
+    loads the checkpoint whole, as Gemma 3's). Gemma 3's files list only the fields that
     differ from its text config class's defaults, which transformers fills in: the size fields left out are read
     from those defaults too, and the report says which. A config whose ``model_type`` transformers
     does not know but whose ``architectures`` names one of its causal-LM classes (Kimi K2: a DeepSeek-V3 model
@@ -146,6 +147,12 @@ def language_model(data: Any, where: str) -> tuple[Any, str | None]:
             if defaulted:
                 source = f"{type(class_defaults).__name__}'s defaults"
                 how += f" ({', '.join(defaulted)} from {source}, as transformers reads it)"
+        whole = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(data.get("model_type"))
+        if whole is not None and whole != MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type):
+            how += (
+                f"; AutoModelForCausalLM loads this checkpoint whole ({whole}): such a run also holds the "
+                "vision tower's and projector's weights, which a text-only step leaves without gradients"
+            )
         return text, how
     model_type = data.get("model_type")
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
