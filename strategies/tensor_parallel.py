@@ -61,7 +61,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from functools import cache, cached_property
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -441,8 +440,12 @@ class _Share:
     sequence: bool = False  # split along the sequence (sequence parallelism), not the features
 
     @property
-    def fraction(self) -> Fraction:
-        return Fraction(self.local, self.length)
+    def fraction(self) -> float:
+        """For ordering shares only; bytes are scaled exactly (:meth:`scaled`)."""
+        return self.local / self.length
+
+    def scaled(self, nbytes: int) -> int:
+        return nbytes * self.local // self.length
 
     @property
     def sliced(self) -> bool:
@@ -834,7 +837,7 @@ class _TensorParallel:
         piece = chunk_length(share.length, self.plan.degree, 0)
         gather = self.rw.before(op.index, "_c10d_functional.all_gather_into_tensor", op.module, op.phase)
         cat = self.rw.before(op.index, "tp.cat_gathered", op.module, op.phase)
-        buffer = _scaled(row.nbytes, Fraction(piece * self.plan.degree, share.length))
+        buffer = row.nbytes * piece * self.plan.degree // share.length
         self.rw.add(buffer, Role.COMMUNICATION, gather, cat, "all-gather buffer", row.dtype)
         return cat
 
@@ -864,7 +867,7 @@ class _TensorParallel:
         gathered_length = piece * self.plan.degree
 
         def nbytes(length: int) -> int:
-            return _scaled(row.nbytes, Fraction(length, share.length))
+            return row.nbytes * length // share.length
 
         pad = self.rw.after(op.index, "tp.pad_slice", op.module, op.phase) if share.local < piece else None
         gather = self.rw.after(op.index, "_c10d_functional.all_gather_into_tensor", op.module, op.phase)
@@ -1003,7 +1006,7 @@ class _TensorParallel:
 
     def resize(self) -> None:
         for storage_id, share in self.size.items():
-            if share.fraction == 1:
+            if not share.sliced:
                 continue
             row = self.step.storages[storage_id]
             shape = self.param_shape.get(row.param) if row.param and self._same_size(row) else None
@@ -1014,7 +1017,7 @@ class _TensorParallel:
         return row.numel == self.step.storages[self._param_row(row.param)].numel
 
     def _bytes(self, row: StorageRow, share: _Share) -> int:
-        return _scaled(row.nbytes, share.fraction)
+        return share.scaled(row.nbytes)
 
     def _run_end(self, index: int, scope: str) -> int:
         """The last op of the forward run (or checkpointed recomputation) of ``scope`` that ``index`` is in."""
@@ -1028,7 +1031,3 @@ class _TensorParallel:
 
     def _at(self, index: int) -> Point:
         return Point(index, 0)
-
-
-def _scaled(nbytes: int, fraction: Fraction) -> int:
-    return nbytes * fraction.numerator // fraction.denominator
