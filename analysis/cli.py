@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import sys
 import time
 import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from analysis.arguments import build_parser, layout_of, setup_of
+from analysis.collector import collector_paused
 from tracer.errors import UserError
 from tracer.training import Target, TrainingSetup
 
@@ -27,10 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parse(argv)
         _quiet_libraries()
-        # The libraries' objects live as long as the program: the collector need not scan them again and
-        # again while a step is stamped and analyzed (it took half the stamping time).
-        gc.freeze()
-        code = RUNNERS[args.command](args)
+        # a measurement runs the step as users run it, with the collector on; estimating needs no collector
+        with nullcontext() if args.command == "measure" else collector_paused():
+            code = RUNNERS[args.command](args)
         sys.stdout.flush()  # a reader gone shows here, not at exit
         return code
     except UserError as error:

@@ -12,7 +12,6 @@ roofline) is below the fastest layout found is listed rather than searched, unle
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import multiprocessing
 import os
@@ -20,7 +19,6 @@ import pickle
 import queue
 import signal
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, TypeVar
@@ -28,6 +26,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from analysis.budget import MemoryBudget
+from analysis.collector import collector_paused
 from analysis.estimate import LayoutEstimate, StepSource
 from analysis.flags import PIPELINE_SEARCH
 from analysis.report import MemoryReport
@@ -303,7 +302,7 @@ def plan(
     if not chosen:
         raise UserError(f"No layout of {gpus} GPUs applies to this model and step: " + "; ".join(skipped))
     search = _Search(model, setup, cluster, budget, global_batch, compute_dtype)
-    with _collector_quiet():
+    with collector_paused():
         outcomes, slower = _search_all(search, chosen, jobs, on_progress, exhaustive)
         if pipeline == "auto" and not any(o.fits for o in outcomes):
             on_progress("nothing fits: adding pipeline-parallel layouts", 0, 0)
@@ -316,12 +315,13 @@ def plan(
             skipped.append("pipeline parallelism: searched when no other layout fits (--pipeline on to search it)")
         if not any(o.fits for o in outcomes):
             outcomes = _replayed_where_least(search, outcomes, jobs, on_progress)
-    fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
-    failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
-    result = Plan(model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped, slower=slower)
-    if not fitting:
-        on_progress("nothing fits: looking for the smallest change that would", 0, 0)
-        with _collector_quiet():
+        fitting = sorted((o for o in outcomes if o.fits), key=lambda o: -o.tokens_per_second)
+        failing = sorted((o for o in outcomes if not o.fits), key=lambda o: o.needed_bytes)
+        result = Plan(
+            model.model_id, setup, cluster, budget, gpus, global_batch, fitting + failing, skipped, slower=slower
+        )
+        if not fitting:
+            on_progress("nothing fits: looking for the smallest change that would", 0, 0)
             result.suggestions = _suggestions(search, gpus)
     return result
 
@@ -589,22 +589,6 @@ class _Search:
             plain = self._source(dataclasses.replace(key, grad_accum=1)) if may_derive_accumulation(key) else None
             self.sources[key] = StepSource(self.model, key, lines=True, plain=plain)
         return self.sources[key]
-
-
-@contextmanager
-def _collector_quiet() -> Iterator[None]:
-    """No cycle collection while traces arrive and layouts are searched: unpickling the traces workers send makes
-    objects by the million, and each layout makes and drops steps of tens of thousands of rows and ops, which
-    reference counting frees (one collection after the 8B / 8-GPU plan found 882 objects in cycles). Even
-    collecting every 100,000 allocations, scanning them took a fifth of the 70B / 64-GPU plan's time and a quarter
-    of the 8B / 8-GPU plan's search, for the same output and peak memory."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _in_processes(
