@@ -4,17 +4,16 @@ layout from per-layer slices instead of transforming and replaying the whole ste
     python -m benchmarks.depth_linearity [--model meta-llama/Llama-3.1-70B] [--depths 6,8,10,80] [--seq-len 8192]
         [--grad-checkpointing full]
 
-The model is traced with each number of layers (its config's ``num_hidden_layers`` changed, then cut and stamped as
-any run is), every layout's ranks are built and their allocated peak read and the caching allocator replayed. The
-line through the first two depths predicts the others; the table gives each prediction's error, in bytes.
+The model is traced with each number of layers (its config cut to its first layers by ``tracer.layers.cut_to``,
+then traced and stamped as any run is); every layout's ranks are built, their allocated peak read and the caching
+allocator replayed. The line through the first two depths predicts the others; the table gives each prediction's
+error, in bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import tempfile
-from pathlib import Path
+import dataclasses
 
 from tabulate import tabulate
 
@@ -23,33 +22,27 @@ from analysis.peak import find_peak, timeline
 from analysis.replay import replay_step
 from benchmarks.layout_speed import LAYOUTS
 from strategies.layout import prepare
-from tracer.errors import UserError
 from tracer.graph import build_graph
-from tracer.registry import find_bundled
-from tracer.resolve import resolve_model
+from tracer.layers import cut_to
+from tracer.resolve import ResolvedModel, resolve_model
 from tracer.tracing import trace_step
 from tracer.training import TrainingSetup
 
 
-def peaks_by_depth(model_id: str, depths: list[int], setup: TrainingSetup) -> dict[str, dict[int, tuple[int, int]]]:
+def peaks_by_depth(
+    model: ResolvedModel, depths: list[int], setup: TrainingSetup
+) -> dict[str, dict[int, tuple[int, int]]]:
     """Layout -> depth -> (allocated peak, reserved peak) of its busiest rank."""
-    bundled = find_bundled(model_id)
-    if bundled is None:
-        raise UserError(f"{model_id} is not bundled; `python -m tracer models` lists those that are.")
-    config = bundled.load()
     peaks: dict[str, dict[int, tuple[int, int]]] = {}
-    with tempfile.TemporaryDirectory() as folder:
-        for depth in depths:
-            path = Path(folder) / f"{depth}.json"
-            path.write_text(json.dumps({**config, "num_hidden_layers": depth}))
-            model = resolve_model(str(path))
-            step = build_graph(trace_step(model, setup))
-            for layout in LAYOUTS:
-                prepared = prepare(layout, setup, model.config)
-                ranks = [prepared.rank_step(step, rank) for rank in prepared.ranks(step)]
-                allocated = max(find_peak(timeline(rank)).bytes for rank in ranks)
-                reserved = max(replay_step(rank, allocator_config(setup)).peak_reserved for rank in ranks)
-                peaks.setdefault(layout.describe(), {})[depth] = (allocated, reserved)
+    for depth in depths:
+        cut = dataclasses.replace(model, config=cut_to(model.config, depth))
+        step = build_graph(trace_step(cut, setup))
+        for layout in LAYOUTS:
+            prepared = prepare(layout, setup, cut.config)
+            ranks = [prepared.rank_step(step, rank) for rank in prepared.ranks(step)]
+            allocated = max(find_peak(timeline(rank)).bytes for rank in ranks)
+            reserved = max(replay_step(rank, allocator_config(setup)).peak_reserved for rank in ranks)
+            peaks.setdefault(layout.describe(), {})[depth] = (allocated, reserved)
     return peaks
 
 
@@ -70,13 +63,16 @@ def main() -> None:
     depths = sorted({int(depth) for depth in args.depths.split(",")})
     if len(depths) < 3:
         parser.error("--depths needs at least three different depths: two for the line, one to check it")
+    model = resolve_model(args.model)
+    if depths[-1] > model.config.num_hidden_layers:
+        parser.error(f"--depths goes up to the model's {model.config.num_hidden_layers} layers")
     setup = TrainingSetup(
         seq_len=args.seq_len,
         mixed_precision="bf16",
         grad_checkpointing=None if args.grad_checkpointing == "none" else args.grad_checkpointing,
     )
     rows = []
-    for layout, by_depth in peaks_by_depth(args.model, depths, setup).items():
+    for layout, by_depth in peaks_by_depth(model, depths, setup).items():
         allocated_slope, allocated_errors = errors({depth: peaks[0] for depth, peaks in by_depth.items()})
         _, reserved_errors = errors({depth: peaks[1] for depth, peaks in by_depth.items()})
         rows.append((layout, f"{allocated_slope:,.0f}", *(f"{e:,}" for e in allocated_errors + reserved_errors)))
